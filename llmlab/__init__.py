@@ -1,0 +1,36 @@
+"""llmlab: a research toolkit for LLM inference that is also a real engine.
+
+Public API (everything else may change)::
+
+    from llmlab import LLM, SamplingParams
+    outputs = LLM("path/or/hub-id").generate(["Hello"], SamplingParams(max_tokens=16))
+"""
+
+from llmlab.config import EngineConfig
+from llmlab.engine.builder import EngineBuilder
+from llmlab.engine.engine import Engine
+from llmlab.engine.events import StepEvent
+from llmlab.engine.outputs import CompletionOutput, RequestOutput
+from llmlab.engine.request import Request, RequestStatus
+from llmlab.llm import LLM
+from llmlab.sampling.params import RequestOutputKind, SamplingParams
+
+# vLLM's name for the engine class.
+LLMEngine = Engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineBuilder",
+    "EngineConfig",
+    "LLMEngine",
+    "Request",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestStatus",
+    "SamplingParams",
+    "StepEvent",
+]

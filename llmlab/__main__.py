@@ -1,0 +1,5 @@
+import sys
+
+from llmlab.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""The attention-backend interface and the backend-agnostic description of a batch.
+
+The model runner describes each step's batch once, as :class:`AttentionInputs` (which
+sequences, how many new tokens each, where their KV lives). A backend turns that into its
+own metadata once per step (``build_metadata``) and then serves every layer's
+``forward`` from it, so per-layer work is only the attention itself.
+
+Models never see a backend directly: they receive an :class:`AttentionContext` and call
+``attn.attend(layer_idx, q, k, v)``. The context carries the backend, the step's metadata
+and the per-layer KV tensors, so there is no module-global state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class AttentionInputs:
+    """One step's batch, as every backend needs to know it.
+
+    Sequences appear in batch order; the new tokens of sequence ``i`` are the flat tokens
+    ``query_start_loc[i]:query_start_loc[i + 1]``.
+
+    Attributes:
+        query_lens: new tokens per sequence this step (1 for a decode).
+        seq_lens: context length per sequence *after* this step (cached + new tokens).
+        block_tables: the KV block ids of each sequence, in position order.
+        slot_mapping: ``[num_tokens]`` long tensor; flat KV slot
+            (``block_id * block_size + offset``) that each new token's K/V is written to.
+        block_size: tokens per KV block.
+        device: where the step's tensors live.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    block_size: int
+    device: torch.device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Paged attention: writes new K/V into the cache and attends over each block table.
+
+    ``kv_cache`` for one layer has shape ``[2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` (index 0 holds keys, 1 values). ``q`` is ``[num_tokens, num_heads,
+    head_dim]``, ``k`` and ``v`` are ``[num_tokens, num_kv_heads, head_dim]``; the result is
+    shaped like ``q``. Attention is causal within the new tokens of a sequence, and
+    ``num_heads`` may be a multiple of ``num_kv_heads`` (grouped-query attention).
+    """
+
+    name: str
+
+    def build_metadata(self, inputs: AttentionInputs) -> Any: ...
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+@attrs.frozen
+class AttentionContext:
+    """What a model's forward pass needs for attention in one step."""
+
+    backend: AttentionBackend
+    metadata: Any
+    kv_caches: list[torch.Tensor]
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Store this layer's new K/V and return attention output shaped like ``q``."""
+        return self.backend.forward(
+            layer_idx,
+            q,
+            k,
+            v,
+            self.kv_caches[layer_idx],
+            self.metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+        )

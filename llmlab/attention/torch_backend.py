@@ -1,0 +1,143 @@
+"""Paged attention in plain torch: the reference backend, correct on CPU and CUDA.
+
+Per step, ``build_metadata`` splits the batch into a decode group (one new token per
+sequence) and a prefill group (several), because padding decodes to the longest prefill
+chunk would multiply their cost. For each group it precomputes, once for all layers:
+
+* which flat tokens are each sequence's queries (padded to the group's longest query),
+* the flat KV slots of each sequence's whole context, read through its block table,
+* the boolean mask: key ``j`` is visible to the query at position ``p`` iff ``j <= p``.
+
+``forward`` then writes the layer's new K/V by slot mapping, gathers the context and runs
+``scaled_dot_product_attention`` once per group.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from llmlab.attention.backend import AttentionInputs
+
+
+@attrs.frozen
+class _Group:
+    query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats one)
+    key_slots: torch.Tensor  # [B, C] flat KV slot of each context position
+    mask: torch.Tensor  # [B, 1, Q, C] True where the key is visible
+    query_pos: torch.Tensor  # [B, Q] absolute position of each query
+    valid: torch.Tensor | None  # [B * Q] rows that are real queries (None: all are)
+    out_index: torch.Tensor  # flat token index of each real query, in row order
+    window_masks: dict = attrs.field(factory=dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.mask
+        cached = self.window_masks.get(sliding_window)
+        if cached is None:
+            key_pos = torch.arange(self.key_slots.shape[1], device=self.mask.device)
+            in_window = (self.query_pos[:, :, None] - key_pos) < sliding_window
+            cached = self.mask & in_window[:, None]
+            self.window_masks[sliding_window] = cached
+        return cached
+
+
+@attrs.frozen
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    groups: tuple[_Group, ...]
+
+
+def _build_group(
+    seq_ids: list[int], inputs: AttentionInputs, query_start: list[int]
+) -> _Group:
+    device = inputs.device
+    bs = inputs.block_size
+    q_lens = torch.tensor([inputs.query_lens[s] for s in seq_ids], dtype=torch.long)
+    ctx_lens = torch.tensor([inputs.seq_lens[s] for s in seq_ids], dtype=torch.long)
+    starts = torch.tensor([query_start[s] for s in seq_ids], dtype=torch.long)
+    max_q = int(q_lens.max())
+    max_ctx = int(ctx_lens.max())
+
+    max_blocks = (max_ctx + bs - 1) // bs
+    table = torch.zeros(len(seq_ids), max_blocks, dtype=torch.long)
+    for row, s in enumerate(seq_ids):
+        blocks = inputs.block_tables[s][:max_blocks]
+        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+    key_pos = torch.arange(max_ctx)
+    key_slots = table[:, key_pos // bs] * bs + key_pos % bs
+    key_valid = key_pos[None, :] < ctx_lens[:, None]
+    # Padding keys point at the sequence's first slot, which is always written, so no
+    # uninitialised memory is ever read (0 * NaN would poison the output).
+    key_slots = torch.where(key_valid, key_slots, key_slots[:, :1])
+
+    q_offsets = torch.arange(max_q)
+    q_valid = q_offsets[None, :] < q_lens[:, None]
+    query_index = torch.where(q_valid, starts[:, None] + q_offsets, starts[:, None])
+    query_pos = (ctx_lens - q_lens)[:, None] + q_offsets[None, :]
+    # Padding query rows get positions past the end, so they see every real key and
+    # never produce an all-masked (NaN) row; their outputs are dropped.
+    mask = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])
+
+    all_valid = bool(q_valid.all())
+    return _Group(
+        query_index=query_index.to(device),
+        key_slots=key_slots.to(device),
+        mask=mask[:, None].to(device),
+        query_pos=query_pos.to(device),
+        valid=None if all_valid else q_valid.reshape(-1).to(device),
+        out_index=query_index[q_valid].to(device),
+    )
+
+
+@attrs.define
+class TorchPagedAttention:
+    """Reference paged attention built from gather + ``scaled_dot_product_attention``."""
+
+    name: str = "torch"
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        query_start = [0]
+        for n in inputs.query_lens:
+            query_start.append(query_start[-1] + n)
+        decodes = [i for i, n in enumerate(inputs.query_lens) if n == 1]
+        prefills = [i for i, n in enumerate(inputs.query_lens) if n > 1]
+        groups = tuple(
+            _build_group(ids, inputs, query_start) for ids in (decodes, prefills) if ids
+        )
+        return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping, groups=groups)
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, metadata.slot_mapping, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, metadata.slot_mapping, v.to(value_cache.dtype))
+
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != num_kv_heads
+        for group in metadata.groups:
+            qg = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+            kg = key_cache[group.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, C, D]
+            vg = value_cache[group.key_slots].transpose(1, 2).to(q.dtype)
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=group.mask_for(sliding_window), scale=scale, enable_gqa=gqa
+            )
+            rows = og.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B * Q, H, D]
+            if group.valid is not None:
+                rows = rows[group.valid]
+            out[group.out_index] = rows
+        return out

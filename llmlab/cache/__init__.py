@@ -1,0 +1,27 @@
+"""KV cache: block pool, prefix index, eviction policies, and per-request accounting."""
+
+from llmlab.cache.block_pool import Block, BlockPool
+from llmlab.cache.eviction import (
+    EVICTION_POLICIES,
+    EvictionPolicy,
+    FIFOEviction,
+    LRUEviction,
+    RandomEviction,
+)
+from llmlab.cache.kv_cache_manager import BlockEvents, CacheSnapshot, KVCacheManager
+from llmlab.cache.prefix_index import PrefixIndex, chain_hash
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "Block",
+    "BlockEvents",
+    "BlockPool",
+    "CacheSnapshot",
+    "EvictionPolicy",
+    "FIFOEviction",
+    "KVCacheManager",
+    "LRUEviction",
+    "PrefixIndex",
+    "RandomEviction",
+    "chain_hash",
+]

@@ -1,0 +1,1 @@
+"""The engine: requests, the step loop, the model runner, outputs and step events."""

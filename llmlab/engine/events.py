@@ -1,0 +1,51 @@
+"""``StepEvent``: the one immutable record each engine step emits.
+
+Metrics, notebook views, traces and tests consume these instead of reading engine state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen
+class StepEvent:
+    """What one ``Engine.step`` did.
+
+    Attributes:
+        step_index: 0-based count of steps that ran a batch.
+        scheduled: ``(request_id, num_new_tokens)`` for each request in the batch.
+        num_batched_tokens: total new tokens in the batch.
+        preempted: requests preempted (their KV dropped, to be recomputed).
+        finished: requests that finished this step, with ``(request_id, finish_reason)``.
+        aborted: requests aborted since the previous step.
+        blocks_allocated / blocks_freed / blocks_prefix_hit / blocks_evicted: block ids.
+        num_free_blocks / num_total_blocks: pool state after the step.
+        kv_usage: fraction of blocks held by requests after the step.
+        num_waiting / num_running: queue lengths after the step.
+        wall_time_s: wall-clock duration of the whole step.
+        model_time_s: part of it spent in the model runner (forward + sampling).
+    """
+
+    step_index: int
+    scheduled: tuple[tuple[str, int], ...]
+    num_batched_tokens: int
+    preempted: tuple[str, ...]
+    finished: tuple[tuple[str, str], ...]
+    aborted: tuple[str, ...]
+    blocks_allocated: tuple[int, ...]
+    blocks_freed: tuple[int, ...]
+    blocks_prefix_hit: tuple[int, ...]
+    blocks_evicted: tuple[int, ...]
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    num_waiting: int
+    num_running: int
+    wall_time_s: float
+    model_time_s: float
+
+
+StepObserver = Callable[[StepEvent], None]

@@ -1,0 +1,49 @@
+"""Scheduling policies: which waiting request is admitted next, which running one yields.
+
+The scheduler (mechanism) asks a policy two questions and never decides either itself:
+
+* ``order(waiting, now)``: the admission order of the waiting requests this step;
+* ``victim(candidates)``: which running request to preempt when KV blocks run out.
+
+A new policy is a small class with these two methods (see ``FCFS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from llmlab.engine.request import Request
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    name: str
+
+    def order(self, waiting: Sequence[Request], now: float) -> list[Request]:
+        """Waiting requests in the order they should be admitted."""
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        """The running request to preempt; ``candidates`` is never empty."""
+
+
+@attrs.define
+class FCFS:
+    """First come, first served; preempt the latest arrival (vLLM's default).
+
+    Admission is strict: if the head of the queue does not fit, nothing behind it is
+    admitted that step, so a long prompt is never starved by short ones.
+    """
+
+    name: str = "fcfs"
+
+    def order(self, waiting: Sequence[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: r.arrival_time)
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=lambda r: r.arrival_time)
+
+
+SCHEDULING_POLICIES: dict[str, type] = {"fcfs": FCFS}

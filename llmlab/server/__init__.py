@@ -1,0 +1,1 @@
+"""Front ends: the command line (and, later, the OpenAI-compatible HTTP server)."""

@@ -1,0 +1,105 @@
+"""The ``llmlab`` command line.
+
+    llmlab generate "Hello, my name is" --max-tokens 32 --temperature 0.8
+    llmlab generate "Hello" --model Qwen/Qwen3-0.6B
+
+Without ``--model`` it runs llmlab's built-in tiny model (random weights, built locally on
+first use), so the command works on an offline machine; its text is gibberish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local directory or hub id")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmlab import LLM, SamplingParams
+
+    model = args.model
+    if model is None:
+        from llmlab.models.tiny import ensure_builtin_model
+
+        model = str(ensure_builtin_model())
+        print(
+            f"[llmlab] no --model given: using the built-in tiny model at {model} "
+            "(random weights, so the text is gibberish)",
+            file=sys.stderr,
+        )
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(
+            model,
+            tokenizer=args.tokenizer,
+            revision=args.revision,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        completion = out.outputs[0]
+        print(f"Prompt: {out.prompt!r}")
+        print(f"Completion: {completion.text!r}  (finish_reason={completion.finish_reason})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    return 1  # unreachable: argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Small builders shared by tests that need requests but no model."""
+
+from __future__ import annotations
+
+import itertools
+
+from llmlab.engine.request import Request
+from llmlab.sampling.params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_request(tokens, *, arrival=None, max_tokens=16, request_id=None, **params) -> Request:
+    n = next(_ids)
+    return Request(
+        request_id=request_id or f"r{n}",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        arrival_time=float(n if arrival is None else arrival),
+    )

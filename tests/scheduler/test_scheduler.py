@@ -1,0 +1,156 @@
+"""Continuous batching, chunked prefill, preemption and policies, with no model attached."""
+
+import pytest
+
+from llmlab.cache import KVCacheManager
+from llmlab.engine.request import RequestStatus
+from llmlab.scheduler import FCFS, Scheduler
+from tests.helpers import make_request
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256,
+                   policy=None):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    return Scheduler(kv=kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_model_len, policy=policy or FCFS())
+
+
+def run_step(sched, token=1):
+    batch = sched.schedule(now=0.0)
+    sampled = {e.request.request_id: (token, -0.5) for e in batch.entries if e.samples}
+    finished = sched.update(batch, sampled)
+    return batch, finished
+
+
+def test_budget_and_max_num_seqs_bound_each_step():
+    sched = make_scheduler(max_num_seqs=3, budget=20)
+    reqs = [make_request(range(8)) for _ in range(5)]
+    for r in reqs:
+        sched.add(r)
+    batch, _ = run_step(sched)
+    assert len(batch) == 3
+    assert batch.num_batched_tokens == 20  # 8 + 8 + a 4-token chunk of the third
+    assert [e.num_new_tokens for e in batch.entries] == [8, 8, 4]
+    assert [e.samples for e in batch.entries] == [True, True, False]
+
+
+def test_chunked_prefill_mixes_with_decodes():
+    sched = make_scheduler(budget=10)
+    short = make_request(range(5), max_tokens=10)
+    long = make_request(range(100, 130), max_tokens=10)
+    sched.add(short)
+    sched.add(long)
+    batch, _ = run_step(sched)
+    assert [(e.request is short, e.num_new_tokens) for e in batch.entries] == [(True, 5), (False, 5)]
+    batch, _ = run_step(sched)  # short decodes (1 token) while long continues its prefill (9)
+    assert [(e.num_computed_tokens, e.num_new_tokens) for e in batch.entries] == [(5, 1), (5, 9)]
+    while long.num_output_tokens == 0:
+        run_step(sched)
+    assert long.num_computed_tokens == 30
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # Each request alone needs 7 blocks at full length; together they need 14 of 8.
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    a = make_request(range(8), max_tokens=20, arrival=0)
+    b = make_request(range(50, 58), max_tokens=20, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    for _ in range(60):
+        batch, _ = run_step(sched)
+        preempted += batch.preempted
+        if not sched.num_unfinished:
+            break
+    assert preempted and preempted[0] == b.request_id  # FCFS preempts the later arrival
+    assert b.num_preemptions >= 1
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert a.num_output_tokens == 20 and b.num_output_tokens == 20
+    assert sched.kv.snapshot().block_tables == {}
+
+
+def test_preempted_request_keeps_its_tokens_and_recomputes_them():
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=64)
+    a = make_request(range(8), max_tokens=12, arrival=0)
+    b = make_request(range(50, 58), max_tokens=12, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    while not b.num_preemptions:
+        run_step(sched)
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    generated = list(b.output_token_ids)
+    assert generated
+    while b.status is RequestStatus.WAITING:
+        run_step(sched)
+    assert b.output_token_ids[: len(generated)] == generated
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    eos = make_request([3, 4], max_tokens=5)
+    eos.eos_token_id = 1
+    ignore = make_request([3, 4], max_tokens=5, ignore_eos=True)
+    ignore.eos_token_id = 1
+    stop_tok = make_request([3, 4], max_tokens=5, stop_token_ids=[1])
+    min_tok = make_request([3, 4], max_tokens=5, min_tokens=3)
+    min_tok.eos_token_id = 1
+    for r in (eos, ignore, stop_tok, min_tok):
+        sched.add(r)
+    while sched.num_unfinished:
+        run_step(sched, token=1)
+    assert (eos.finish_reason, eos.num_output_tokens) == ("stop", 1)
+    assert (ignore.finish_reason, ignore.num_output_tokens) == ("length", 5)
+    assert (stop_tok.finish_reason, stop_tok.stop_reason) == ("stop", 1)
+    assert (min_tok.finish_reason, min_tok.num_output_tokens) == ("stop", 3)
+
+
+def test_max_model_len_ends_generation():
+    sched = make_scheduler(max_model_len=10)
+    r = make_request(range(7), max_tokens=100)
+    sched.add(r)
+    while sched.num_unfinished:
+        run_step(sched)
+    assert r.num_tokens == 10 and r.finish_reason == "length"
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    sched = make_scheduler(max_num_seqs=1)
+    running, waiting = make_request(range(9)), make_request(range(9))
+    sched.add(running)
+    sched.add(waiting)
+    run_step(sched)
+    aborted = sched.abort({running.request_id, waiting.request_id})
+    assert {r.request_id for r in aborted} == {running.request_id, waiting.request_id}
+    assert running.finish_reason == "abort"
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.num_unfinished == 0
+
+
+def test_a_custom_policy_decides_admission_order():
+    class ShortestPromptFirst:
+        name = "spf"
+
+        def order(self, waiting, now):
+            return sorted(waiting, key=lambda r: r.num_prompt_tokens)
+
+        def victim(self, candidates):
+            return candidates[-1]
+
+    sched = make_scheduler(max_num_seqs=1, policy=ShortestPromptFirst())
+    long, short = make_request(range(20)), make_request(range(3))
+    sched.add(long)
+    sched.add(short)
+    batch, _ = run_step(sched)
+    assert [e.request for e in batch.entries] == [short]
+
+
+def test_prefix_hit_skips_cached_tokens_at_admission():
+    sched = make_scheduler(block_size=4)
+    a = make_request(range(12), max_tokens=1)
+    sched.add(a)
+    while sched.num_unfinished:
+        run_step(sched)
+    b = make_request(list(range(12)) + [77], max_tokens=1)
+    sched.add(b)
+    batch, _ = run_step(sched)
+    assert (batch.entries[0].num_computed_tokens, batch.entries[0].num_new_tokens) == (12, 1)
