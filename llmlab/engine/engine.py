@@ -92,6 +92,8 @@ class Engine:
                     f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
                 )
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it must contain at least one character")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
             return prompt, list(self.tokenizer.encode(prompt))
