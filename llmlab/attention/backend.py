@@ -55,14 +55,19 @@ class AttentionInputs:
 class AttentionBackend(Protocol):
     """Paged attention: writes new K/V into the cache and attends over each block table.
 
-    ``kv_cache`` for one layer has shape ``[2, num_blocks, block_size, num_kv_heads,
-    head_dim]`` (index 0 holds keys, 1 values). ``q`` is ``[num_tokens, num_heads,
-    head_dim]``, ``k`` and ``v`` are ``[num_tokens, num_kv_heads, head_dim]``; the result is
-    shaped like ``q``. Attention is causal within the new tokens of a sequence, and
-    ``num_heads`` may be a multiple of ``num_kv_heads`` (grouped-query attention).
+    The backend chooses the memory layout of one layer's KV tensor (``kv_cache_shape``);
+    whatever the layout, flat slot ``block_id * block_size + offset`` names one token.
+    ``q`` is ``[num_tokens, num_heads, head_dim]``, ``k`` and ``v`` are ``[num_tokens,
+    num_kv_heads, head_dim]``; the result is shaped like ``q``. Attention is causal within
+    the new tokens of a sequence, and ``num_heads`` may be a multiple of ``num_kv_heads``
+    (grouped-query attention; query head ``h`` reads KV head ``h // group``, as in HF).
     """
 
     name: str
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]: ...
 
     def build_metadata(self, inputs: AttentionInputs) -> Any: ...
 

@@ -1,7 +1,8 @@
 """Sizing and allocating the paged KV tensors.
 
-One tensor per layer, shaped ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(keys then values), so a flat slot ``block_id * block_size + offset`` addresses one token.
+One tensor per layer, keys and values, in the layout the attention backend asks for
+(``backend.kv_cache_shape``); a flat slot ``block_id * block_size + offset`` addresses
+one token in any layout.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ def bytes_per_block(layout: Any, block_size: int, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_caches(
-    layout: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    backend: Any,
+    layout: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    shape = backend.kv_cache_shape(num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
 
 

@@ -117,7 +117,7 @@ class EngineBuilder:
             attention=attention,
             sampler=self.sampler or Sampler(),
             kv=kv,
-            kv_caches=allocate_kv_caches(layout, num_blocks, cfg.block_size, dtype, device),
+            kv_caches=allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device),
             device=device,
             generator=generator,
         )
@@ -176,7 +176,7 @@ def _profile_peak_bytes(model, attention, layout, cfg, max_model_len, dtype, dev
         next_block += len(blocks)
         tables.append(blocks)
         slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
-    caches = allocate_kv_caches(layout, next_block, bs, dtype, device)
+    caches = allocate_kv_caches(attention, layout, next_block, bs, dtype, device)
     cache_bytes = sum(c.numel() * c.element_size() for c in caches)
     inputs = AttentionInputs(
         query_lens=lens,

@@ -33,7 +33,8 @@ def test_mixed_batch_matches_dense_attention(block_size, window):
     # (cached tokens, new tokens): a fresh prefill, a decode, a later prefill chunk, a decode.
     shapes = [(0, 9), (13, 1), (7, 6), (30, 1)]
     num_blocks = 80
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim)
+    backend = TorchPagedAttention()
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, kv_heads, dim))
     free = list(range(num_blocks))[::-1]  # hand out blocks in reverse: tables are not contiguous
     tables, slots, q_parts, k_parts, v_parts, history = [], [], [], [], [], []
     for cached, new in shapes:
@@ -43,8 +44,9 @@ def test_mixed_batch_matches_dense_attention(block_size, window):
         k_hist = torch.randn(cached, kv_heads, dim)
         v_hist = torch.randn(cached, kv_heads, dim)
         for p in range(cached):  # pretend earlier steps wrote these
-            cache[0, blocks[p // block_size], p % block_size] = k_hist[p]
-            cache[1, blocks[p // block_size], p % block_size] = v_hist[p]
+            slot = blocks[p // block_size] * block_size + p % block_size
+            cache[0, :, slot] = k_hist[p]
+            cache[1, :, slot] = v_hist[p]
         history.append((k_hist, v_hist))
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, total)]
         q_parts.append(torch.randn(new, heads, dim))
@@ -59,7 +61,6 @@ def test_mixed_batch_matches_dense_attention(block_size, window):
         block_size=block_size,
         device=torch.device("cpu"),
     )
-    backend = TorchPagedAttention()
     ctx = AttentionContext(backend, backend.build_metadata(inputs), [cache])
     scale = dim**-0.5
     out = ctx.attend(
@@ -76,7 +77,7 @@ def test_mixed_batch_matches_dense_attention(block_size, window):
 
 def test_new_kv_is_written_at_slot_mapping():
     backend = TorchPagedAttention()
-    cache = torch.zeros(2, 4, 2, 1, 3)
+    cache = torch.zeros(backend.kv_cache_shape(4, 2, 1, 3))  # 4 blocks of 2 slots
     inputs = AttentionInputs(
         query_lens=[3], seq_lens=[3], block_tables=[[2, 0]],
         slot_mapping=torch.tensor([4, 5, 0]), block_size=2, device=torch.device("cpu"),
@@ -86,7 +87,8 @@ def test_new_kv_is_written_at_slot_mapping():
     AttentionContext(backend, backend.build_metadata(inputs), [cache]).attend(
         0, torch.randn(3, 1, 3), k, v, scale=1.0
     )
-    torch.testing.assert_close(cache[0, 2, 0, 0], k[0, 0])
-    torch.testing.assert_close(cache[0, 2, 1, 0], k[1, 0])
-    torch.testing.assert_close(cache[1, 0, 0, 0], v[2, 0])
-    assert cache[0, 1].abs().sum() == 0 and cache[0, 3].abs().sum() == 0
+    torch.testing.assert_close(cache[0, 0, 4], k[0, 0])
+    torch.testing.assert_close(cache[0, 0, 5], k[1, 0])
+    torch.testing.assert_close(cache[1, 0, 0], v[2, 0])
+    untouched = [1, 2, 3, 6, 7]
+    assert cache[:, :, untouched].abs().sum() == 0

@@ -1,0 +1,73 @@
+"""The interface every model implements, and the shape of the KV cache it needs.
+
+A model sees one step's batch as a flat run of ``T`` tokens from many sequences (no batch
+dimension, no padding); all cross-token mixing happens inside ``attn.attend``, which owns
+the paged KV cache. So a model is just per-token math plus one ``attend`` call per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from llmlab.attention.backend import AttentionContext
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class KVLayout:
+    """What the model's attention layers store per token: ``num_layers`` KV tensors, each
+    holding ``num_kv_heads`` heads of ``head_dim`` (the attention backend's
+    ``kv_cache_shape`` decides how those are laid out in memory)."""
+
+    num_layers: int = attrs.field(validator=_positive_int)
+    num_kv_heads: int = attrs.field(validator=_positive_int)
+    head_dim: int = attrs.field(validator=_positive_int)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV bytes one token occupies across all layers (keys and values)."""
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model over a flat, paged batch.
+
+    Implementations are built as ``cls(hf_config)`` from a ``transformers`` config object
+    (any version: old and new attribute spellings are both accepted).
+
+    Attributes:
+        kv_layout: the per-layer KV shape the model's attention layers expect.
+        vocab_size: rows of the logits ``compute_logits`` returns.
+    """
+
+    kv_layout: KVLayout
+    vocab_size: int
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """``input_ids`` and ``positions`` are ``[T]`` longs (positions are absolute and
+        0-based per sequence); returns final hidden states ``[T, hidden]``."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` hidden states (usually one per sequence) to float32
+        ``[N, vocab_size]`` logits."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face checkpoint's ``(name, tensor)`` pairs into the model.
+
+        Raises ``ValueError`` on a name the model does not know, a shape mismatch, or a
+        parameter that no weight filled.
+        """
+        ...

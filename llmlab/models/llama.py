@@ -1,0 +1,277 @@
+"""The Llama decoder family: Llama, Mistral, Qwen2 and Qwen3.
+
+All four are the same network (pre-norm RMSNorm blocks, rotary GQA attention, gated MLP);
+they differ only in a few switches, which :class:`LlamaFamilySpec` collects from each
+config. The classes below only decide those switches, so adding a close relative is a
+ten-line subclass.
+
+q/k/v are fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` at load time,
+so each block runs four matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmlab.attention.backend import AttentionContext
+from llmlab.models.base import KVLayout
+from llmlab.models.layers import (
+    RMSNorm,
+    RopeSpec,
+    RotaryEmbedding,
+    apply_rotary,
+    config_value,
+    get_activation,
+)
+from llmlab.models.weights import WeightTarget, load_mapped_weights, strip_prefixes
+
+
+@attrs.frozen
+class LlamaFamilySpec:
+    """Everything that distinguishes one member of the family from another.
+
+    Attributes:
+        layer_windows: sliding-window size per layer (None: full causal attention).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    layer_windows: tuple[int | None, ...]
+    rope: RopeSpec
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _base_spec(hf_config: object, **switches: object) -> LlamaFamilySpec:
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = config_value(hf_config, "head_dim", default=None) or hidden // heads
+    num_layers = hf_config.num_hidden_layers
+    fields = {
+        "vocab_size": hf_config.vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": hf_config.intermediate_size,
+        "num_layers": num_layers,
+        "num_heads": heads,
+        "num_kv_heads": config_value(hf_config, "num_key_value_heads", default=heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": config_value(hf_config, "rms_norm_eps", default=1e-6),
+        "hidden_act": config_value(hf_config, "hidden_act", default="silu"),
+        "qkv_bias": bool(config_value(hf_config, "attention_bias", default=False)),
+        "o_bias": bool(config_value(hf_config, "attention_bias", default=False)),
+        "mlp_bias": bool(config_value(hf_config, "mlp_bias", default=False)),
+        "qk_norm": False,
+        "tie_word_embeddings": bool(config_value(hf_config, "tie_word_embeddings", default=False)),
+        "layer_windows": (None,) * num_layers,
+        "rope": RopeSpec.from_config(hf_config, head_dim),
+    }
+    fields.update(switches)
+    return LlamaFamilySpec(**fields)
+
+
+def _qwen_layer_windows(hf_config: object) -> tuple[int | None, ...]:
+    """Qwen2/3 window only some layers, and only when ``use_sliding_window`` is on.
+
+    Their configs ship ``sliding_window: 4096`` even when it is off, so the size alone
+    means nothing. transformers >= 4.5x spells the per-layer choice as ``layer_types``;
+    older configs imply it as "layers from ``max_window_layers`` on".
+    """
+    num_layers = hf_config.num_hidden_layers
+    window = config_value(hf_config, "sliding_window")
+    if not config_value(hf_config, "use_sliding_window", default=False) or window is None:
+        return (None,) * num_layers
+    layer_types = config_value(hf_config, "layer_types")
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    first = config_value(hf_config, "max_window_layers", default=0)
+    return tuple(window if i >= first else None for i in range(num_layers))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaFamilySpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.split_sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+        self.scale = spec.head_dim**-0.5
+        self.sliding_window = spec.layer_windows[layer_idx]
+        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split_sizes), bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        # Qwen3 normalises each head of q and k before rotating them.
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attn.attend(
+            self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, spec: LlamaFamilySpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
+        )
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.act = get_activation(spec.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaFamilySpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint module names that land in a slice of one of our fused parameters; the
+# offset is computed from the spec because it depends on head counts.
+_FUSED_SLICES = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", lambda s: 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", lambda s: s.q_size),
+    "self_attn.v_proj": ("self_attn.qkv_proj", lambda s: s.q_size + s.kv_size),
+    "mlp.gate_proj": ("mlp.gate_up_proj", lambda s: 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", lambda s: s.intermediate_size),
+}
+_LAYER_NAME = re.compile(r"^(layers\.\d+\.)(.+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 1/2/3 (Touvron et al., 2023; Meta, 2024) and the base of the family."""
+
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        spec = self.spec_from_config(hf_config)
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
+        self.kv_layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.rotary = RotaryEmbedding(spec.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # A tied head reads ``embed_tokens.weight`` directly rather than sharing a
+        # Parameter object, because sharing does not survive ``to_empty`` / meta init.
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        )
+
+    @classmethod
+    def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
+        return _base_spec(hf_config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attn)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_mapped_weights(self, weights, self._map_weight_name)
+
+    def _map_weight_name(self, name: str) -> WeightTarget | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # a precomputed buffer in old checkpoints; we derive it
+        name = strip_prefixes(name, ("model.",))
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # some tied checkpoints store the head anyway
+        match = _LAYER_NAME.match(name)
+        if match is None:
+            return WeightTarget(name)
+        layer, module, leaf = match.groups()
+        fused = _FUSED_SLICES.get(module)
+        if fused is None:
+            return WeightTarget(name)
+        fused_module, offset = fused
+        return WeightTarget(f"{layer}{fused_module}.{leaf}", row_offset=offset(self.spec))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral 7B (Jiang et al., 2023): Llama with sliding-window attention in every layer
+    when the config sets ``sliding_window`` (v0.1 does; later versions set it to null)."""
+
+    @classmethod
+    def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
+        window = config_value(hf_config, "sliding_window")
+        return _base_spec(hf_config, layer_windows=(window,) * hf_config.num_hidden_layers)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5 (Qwen team, 2024): biases on q/k/v (but not o), optional windows."""
+
+    @classmethod
+    def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
+        return _base_spec(
+            hf_config,
+            qkv_bias=True,
+            o_bias=False,
+            layer_windows=_qwen_layer_windows(hf_config),
+        )
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (Qwen team, 2025): per-head RMSNorm on q and k before rotary, explicit
+    ``head_dim`` (often not hidden / heads), no q/k/v bias by default."""
+
+    @classmethod
+    def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
+        return _base_spec(hf_config, qk_norm=True, layer_windows=_qwen_layer_windows(hf_config))

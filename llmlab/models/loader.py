@@ -1,0 +1,207 @@
+"""From a model name to a ready model: find the files, pick a dtype, stream the weights.
+
+``load_model`` builds the network on the ``meta`` device and materialises it uninitialised
+on the target device, because a random init of billions of parameters that the checkpoint
+immediately overwrites would dominate load time. The row-count check in
+:func:`llmlab.models.weights.load_mapped_weights` is what makes skipping init safe: a
+parameter the checkpoint does not fill is an error, never silent garbage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from llmlab.models.layers import config_value
+from llmlab.models.registry import get_model_class
+
+# Config, tokenizer (json, sentencepiece, tiktoken, GPT-2 merges/vocab txt) and weights.
+_METADATA_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
+# Mistral repos also carry consolidated.safetensors (Mistral-native names, a second copy of
+# every weight) and Llama 3 repos an original/ folder; neither is HF format.
+_IGNORE_PATTERNS = ["consolidated*", "original/*"]
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> pathlib.Path:
+    """A local model directory as-is, else a Hub repo id downloaded (or found in cache).
+
+    Only config, tokenizer and weight files are fetched: safetensors when the repo has
+    them, otherwise PyTorch ``.bin`` files.
+    """
+    local = pathlib.Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if model.startswith(("/", "./", "../", "~")) or local.exists():
+        raise FileNotFoundError(f"model path {model!r} is not a directory")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    def download(weight_patterns: list[str]) -> pathlib.Path:
+        try:
+            path = snapshot_download(
+                model,
+                revision=revision,
+                allow_patterns=_METADATA_PATTERNS + weight_patterns,
+                ignore_patterns=_IGNORE_PATTERNS,
+            )
+        except HFValidationError as e:
+            raise ValueError(
+                f"model {model!r} is neither a local directory nor a valid Hub repo id: {e}"
+            ) from e
+        except OSError as e:
+            raise FileNotFoundError(
+                f"model {model!r} is not a local directory and could not be fetched from the "
+                f"Hugging Face Hub (revision={revision!r}): {e}"
+            ) from e
+        return pathlib.Path(path)
+
+    path = download(["*.safetensors"])
+    if not any(path.glob("*.safetensors")):
+        path = download(["pytorch_model*.bin"])
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: object) -> torch.dtype:
+    """The compute dtype: ``auto`` follows the checkpoint's config, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a str or torch.dtype, got {dtype!r}")  # noqa: TRY004
+    name = dtype.lower().removeprefix("torch.")
+    if name == "auto":
+        # Recent transformers write ``dtype``; older configs ``torch_dtype``.
+        config_dtype = config_value(hf_config, "dtype", "torch_dtype")
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPE_NAMES.get(config_dtype.lower().removeprefix("torch."))
+        # A missing or exotic (float64, int8) config dtype means "whatever it was saved
+        # in", not a request; float32 is the safe reading.
+        if config_dtype not in _DTYPE_NAMES.values():
+            return torch.float32
+        return config_dtype
+    resolved = _DTYPE_NAMES.get(name)
+    if resolved is None:
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {', '.join(_DTYPE_NAMES)}")
+    return resolved
+
+
+# Config fields that bound the context length, most specific first.
+_MAX_LEN_FIELDS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_ctx",
+)
+
+
+def max_model_len_from_config(hf_config: object) -> int:
+    """The longest context the model supports, from whichever field its config uses."""
+    for field in _MAX_LEN_FIELDS:
+        value = getattr(hf_config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(
+        f"cannot tell the maximum context length from {type(hf_config).__name__}: "
+        f"none of {', '.join(_MAX_LEN_FIELDS)} is set; pass max_model_len explicitly"
+    )
+
+
+def _indexed_files(path: pathlib.Path, index_name: str) -> list[pathlib.Path] | None:
+    index = path / index_name
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [path / name for name in sorted(set(weight_map.values()))]
+
+
+def _weight_files(path: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
+    """Which files hold the weights, preferring safetensors, honouring shard indexes (so
+    stray extra files in the folder are not read)."""
+    for kind, index_name, pattern in (
+        ("safetensors", "model.safetensors.index.json", "*.safetensors"),
+        ("bin", "pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        files = _indexed_files(path, index_name)
+        if files is None:
+            files = sorted(p for p in path.glob(pattern) if not p.name.startswith("consolidated"))
+        if files:
+            return kind, files
+    raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+
+
+def iterate_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(name, tensor)`` from a model directory, one tensor at a time (CPU)."""
+    kind, files = _weight_files(pathlib.Path(path))
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield name, handle.get_tensor(name)
+        return
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_path: str | os.PathLike,
+    hf_config: object,
+    dtype: torch.dtype | str,
+    device: str | torch.device,
+) -> nn.Module:
+    """Build the model ``hf_config.architectures`` names and fill it from ``model_path``.
+
+    Returns the model in eval mode with gradients off, its parameters in ``dtype`` (a
+    torch dtype or any name :func:`resolve_dtype` accepts) on ``device``.
+    """
+    cls = get_model_class(config_value(hf_config, "architectures"))
+    dtype = resolve_dtype(dtype, hf_config)
+    device = torch.device(device)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(hf_config)
+    model = model.to_empty(device=device)
+    model.load_weights(iterate_weights(model_path))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path_or_id: str | os.PathLike, revision: str | None = None):
+    """The model's tokenizer via ``transformers.AutoTokenizer`` (fast when available)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path_or_id), revision=revision)

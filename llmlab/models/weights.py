@@ -1,0 +1,100 @@
+"""Copying checkpoint tensors into a model whose layout differs from the checkpoint's.
+
+Our models fuse projections (q/k/v into one ``qkv_proj``, gate/up into ``gate_up_proj``) so
+the hot path runs one matmul instead of three. Each model therefore supplies a name mapper
+from a checkpoint name to a :class:`WeightTarget` (which parameter, which rows, whether to
+transpose); :func:`load_mapped_weights` does the copying and all the checking, so a model's
+loader is a short table of renames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+import torch
+from torch import nn
+
+
+@attrs.frozen
+class WeightTarget:
+    """Where one checkpoint tensor goes.
+
+    Attributes:
+        param: name of the model parameter (as in ``model.named_parameters()``).
+        row_offset: first row of ``param`` the tensor fills; a fused parameter receives
+            several tensors stacked along dim 0.
+        transpose: the checkpoint stores the matrix as ``[in, out]`` (GPT-2's Conv1D).
+    """
+
+    param: str
+    row_offset: int = 0
+    transpose: bool = False
+
+
+# Returns None for a checkpoint tensor the model deliberately ignores (a precomputed
+# buffer, a tied head); any other name must map to a real parameter.
+NameMapper = Callable[[str], WeightTarget | None]
+
+
+def strip_prefixes(name: str, prefixes: tuple[str, ...]) -> str:
+    """Drop each wrapper prefix in order when present (``model.``, ``transformer.``, ...).
+
+    Real checkpoints disagree on these: ``gpt2`` on the Hub has bare ``h.0...`` names while
+    a re-saved GPT2LMHeadModel has ``transformer.h.0...``; OPT has both ``decoder.`` and
+    ``model.decoder.`` variants.
+    """
+    for prefix in prefixes:
+        name = name.removeprefix(prefix)
+    return name
+
+
+def load_mapped_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], map_name: NameMapper
+) -> None:
+    """Copy ``weights`` into ``model`` via ``map_name``; every parameter row must be filled.
+
+    Raises:
+        ValueError: on an unknown name, a shape mismatch, or parameters left unfilled.
+    """
+    params = dict(model.named_parameters())
+    model_name = type(model).__name__
+    filled_rows: dict[str, int] = {}
+    for name, tensor in weights:
+        target = map_name(name)
+        if target is None:
+            continue
+        param = params.get(target.param)
+        if param is None:
+            raise ValueError(
+                f"unexpected weight {name!r} for {model_name} (mapped to {target.param!r}, "
+                "which the model does not have); is the checkpoint for a different architecture?"
+            )
+        source = tensor.t() if target.transpose else tensor
+        rows = source.shape[0] if source.dim() > 0 else 1
+        if target.row_offset + rows > param.shape[0]:
+            raise ValueError(
+                f"weight {name!r} with shape {tuple(source.shape)} does not fit "
+                f"{target.param!r} {tuple(param.shape)} at row {target.row_offset}"
+            )
+        dest = param.data.narrow(0, target.row_offset, rows)
+        if dest.shape != source.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(source.shape)} but {model_name}."
+                f"{target.param} expects {tuple(dest.shape)}; does the config match the checkpoint?"
+            )
+        with torch.no_grad():
+            dest.copy_(source)
+        filled_rows[target.param] = filled_rows.get(target.param, 0) + rows
+
+    # Compare row counts rather than names so a fused parameter with only q and k loaded
+    # (or with q loaded twice) is caught too.
+    wrong = [n for n, p in params.items() if filled_rows.get(n, 0) != p.shape[0]]
+    if wrong:
+        detail = ", ".join(
+            f"{n} ({filled_rows.get(n, 0)}/{params[n].shape[0]} rows)" for n in wrong[:8]
+        )
+        raise ValueError(
+            f"checkpoint does not fill {len(wrong)} {model_name} parameter(s) exactly once: "
+            f"{detail}{' ...' if len(wrong) > 8 else ''}"
+        )
