@@ -199,6 +199,7 @@ class Engine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _emit(self, batch, finished, blocks, start: float, model_time: float) -> None:

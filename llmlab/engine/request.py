@@ -46,6 +46,8 @@ class Request:
     all_token_ids: list[int] = attrs.field(init=False)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when the request was first admitted.
+    num_cached_tokens: int = 0
     stop_reason: int | None = None
     # Chained hashes of this request's full blocks, computed once and kept across
     # preemptions (the tokens they cover never change).

@@ -103,6 +103,8 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, prefix):
                 break
             request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)

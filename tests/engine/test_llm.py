@@ -56,6 +56,7 @@ def test_prefix_caching_hits_and_matches_uncached_run(tiny_llama):
         llm.llm_engine.subscribe(events.append)
         outs = llm.generate(second, params, use_tqdm=False)
         assert_all_blocks_free(llm.llm_engine)
+        assert all(o.num_cached_tokens == (40 if enable else 0) for o in outs)
         return [o.outputs[0].token_ids for o in outs], sum(len(e.blocks_prefix_hit) for e in events)
 
     cached_tokens, hits = run(True)
