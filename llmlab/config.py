@@ -39,7 +39,9 @@ class EngineConfig:
         block_size: tokens per KV block.
         enable_prefix_caching: reuse KV blocks across requests sharing a prefix.
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: most new tokens per step (prefill chunks + decodes).
+        max_num_batched_tokens: most new tokens per step (prefill chunks + decodes);
+            ``None`` picks 8192 on CUDA and 2048 on CPU, where activations of larger
+            chunks fall out of cache and elementwise ops slow down (BENCHMARKS.md).
         kv_cache_memory_bytes: KV cache size; overrides ``gpu_memory_utilization``.
         num_gpu_blocks_override: exact number of KV blocks; overrides both of the above.
         gpu_memory_utilization: on CUDA, the fraction of device memory the engine may use,
@@ -57,7 +59,7 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive)
     enable_prefix_caching: bool = True
     max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_positive)
     num_gpu_blocks_override: int | None = attrs.field(default=None, validator=_positive)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)

@@ -79,6 +79,9 @@ class EngineBuilder:
         hf_config = AutoConfig.from_pretrained(model_path)
         # Reject an unsupported architecture before loading any weights.
         get_model_class(getattr(hf_config, "architectures", None))
+        if cfg.max_num_batched_tokens is None:
+            default_budget = 8192 if device.type == "cuda" else 2048
+            cfg = attrs.evolve(cfg, max_num_batched_tokens=default_budget)
         dtype = resolve_dtype(cfg.dtype, hf_config)
         max_model_len = _max_model_len(cfg, hf_config)
 
