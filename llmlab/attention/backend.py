@@ -33,6 +33,8 @@ class AttentionInputs:
             (``block_id * block_size + offset``) that each new token's K/V is written to.
         block_size: tokens per KV block.
         device: where the step's tensors live.
+        request_ids: the request behind each sequence, for backends that keep per-request
+            state across steps (empty when unknown, e.g. in a profiling pass).
     """
 
     query_lens: list[int]
@@ -41,6 +43,7 @@ class AttentionInputs:
     slot_mapping: torch.Tensor
     block_size: int
     device: torch.device
+    request_ids: tuple[str, ...] = ()
 
     @property
     def num_seqs(self) -> int:

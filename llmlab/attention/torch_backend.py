@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmlab.attention.backend import AttentionInputs
+from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan
 
 
 @attrs.frozen
@@ -66,6 +67,8 @@ class _Group:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     groups: tuple[_Group, ...]
+    # Set when the decode group attends through the mirror instead of gathering.
+    mirror_plan: MirrorPlan | None = None
 
 
 def _build_group(
@@ -114,9 +117,18 @@ def _build_group(
 
 @attrs.define
 class TorchPagedAttention:
-    """Reference paged attention built from gather + ``scaled_dot_product_attention``."""
+    """Reference paged attention built from gather + ``scaled_dot_product_attention``.
+
+    Args:
+        decode_mirror: on CPU, serve decodes from a dense per-request copy of their KV
+            (:mod:`llmlab.attention.decode_mirror`) instead of gathering the context from
+            the paged cache every layer and step. Ignored on other devices. The mirror keeps
+            per-request state, so one backend instance serves one engine.
+    """
 
     name: str = "torch"
+    decode_mirror: bool = True
+    _mirror: DecodeMirror = attrs.field(init=False, factory=DecodeMirror)
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -134,7 +146,17 @@ class TorchPagedAttention:
             for ids, is_decode in ((decodes, True), (prefills, False))
             if ids
         )
-        return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping, groups=groups)
+        plan = None
+        use_mirror = self.decode_mirror and inputs.device.type == "cpu" and inputs.request_ids
+        if use_mirror and decodes:
+            plan = self._mirror.plan(
+                [inputs.request_ids[i] for i in decodes],
+                [inputs.seq_lens[i] for i in decodes],
+                [inputs.block_tables[i] for i in decodes],
+                inputs.block_size,
+                inputs.device,
+            )
+        return TorchAttentionMetadata(inputs.slot_mapping, groups, plan)
 
     def forward(
         self,
@@ -158,6 +180,21 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for group in metadata.groups:
             batch, max_q, max_ctx = group.shape
+            if group.is_decode and metadata.mirror_plan is not None:
+                tokens = group.query_index[:, 0]
+                attended = self._mirror.attend(
+                    layer_idx,
+                    metadata.mirror_plan,
+                    q[tokens].view(batch, num_kv_heads, group_size, head_dim),
+                    k[tokens],
+                    v[tokens],
+                    key_cache,
+                    value_cache,
+                    scale=scale,
+                    sliding_window=sliding_window,
+                )
+                out[group.out_index] = attended.reshape(batch, num_heads, head_dim)
+                continue
             # [Hkv, B * C, D] -> [B, Hkv, C, D]; each (sequence, head) slab is contiguous.
             keys = key_cache.index_select(1, group.key_slots).to(q.dtype)
             keys = keys.view(num_kv_heads, batch, max_ctx, head_dim).transpose(0, 1)

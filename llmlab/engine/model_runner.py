@@ -52,6 +52,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=bs,
             device=dev,
+            request_ids=tuple(e.request.request_id for e in batch.entries),
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),

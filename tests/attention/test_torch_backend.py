@@ -92,3 +92,56 @@ def test_new_kv_is_written_at_slot_mapping():
     torch.testing.assert_close(cache[1, 0, 0], v[2, 0])
     untouched = [1, 2, 3, 6, 7]
     assert cache[:, :, untouched].abs().sum() == 0
+
+
+def test_decode_mirror_matches_gathering_across_joins_leaves_and_compaction():
+    """Many steps of a changing decode batch: the mirror path equals the gather path."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs, num_blocks = 4, 2, 8, 4, 2000  # blocks are never reused here
+    backends = [
+        (b, torch.zeros(b.kv_cache_shape(num_blocks, bs, kv_heads, dim)))
+        for b in (TorchPagedAttention(decode_mirror=True), TorchPagedAttention(decode_mirror=False))
+    ]
+    free = list(range(num_blocks))
+    seqs: dict[str, dict] = {}  # request id -> {"len": tokens cached, "blocks": [...]}
+    rng = torch.Generator().manual_seed(0)
+    next_id = 0
+    for step in range(40):
+        # Requests join (prefill) and leave at random; at times most leave (compaction).
+        if step in (10, 25):
+            for rid in list(seqs)[: len(seqs) * 3 // 4]:
+                del seqs[rid]
+        for rid in list(seqs):
+            if torch.rand(1, generator=rng).item() < 0.1:
+                del seqs[rid]
+        for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
+            seqs[f"r{next_id}"] = {"len": 0, "blocks": [], "new": int(torch.randint(2, 9, (1,), generator=rng))}
+            next_id += 1
+        if not seqs:
+            continue
+        ids, q_lens, seq_lens, tables, slots = [], [], [], [], []
+        for rid, s in seqs.items():
+            new = s.pop("new", 1)
+            total = s["len"] + new
+            while len(s["blocks"]) * bs < total:
+                s["blocks"].append(free.pop(int(torch.randint(0, len(free), (1,), generator=rng))))
+            ids.append(rid)
+            q_lens.append(new)
+            seq_lens.append(total)
+            tables.append(list(s["blocks"]))
+            slots += [s["blocks"][p // bs] * bs + p % bs for p in range(s["len"], total)]
+            s["len"] = total
+        inputs = AttentionInputs(
+            query_lens=q_lens, seq_lens=seq_lens, block_tables=tables,
+            slot_mapping=torch.tensor(slots), block_size=bs, device=torch.device("cpu"),
+            request_ids=tuple(ids),
+        )
+        n = len(slots)
+        q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+        outs = []
+        for backend, cache in backends:
+            ctx = AttentionContext(backend, backend.build_metadata(inputs), [cache])
+            outs.append(ctx.attend(0, q, k, v, scale=dim**-0.5, sliding_window=6 if step % 2 else None))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    mirror = backends[0][0]._mirror
+    assert next_id > 20 and mirror.num_compactions > 0 and mirror.num_fills > 20
