@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from llmlab import LLM, EngineBuilder, EngineConfig, SamplingParams
 
@@ -213,3 +214,16 @@ def test_builder_swaps_a_component(tiny_llama):
     llm = LLM.from_engine(engine)
     llm.generate(token_prompts(2, 5), SamplingParams(max_tokens=2), use_tqdm=False)
     assert calls and calls[0] == 2
+
+
+def test_kv_cache_is_sized_from_the_memory_budget(tiny_llama):
+    from llmlab.cache.kv_tensors import bytes_per_block
+
+    engine = LLM(tiny_llama, block_size=8, max_model_len=64, kv_cache_memory_bytes=1 << 20).llm_engine
+    model = engine.runner.model
+    per_block = bytes_per_block(model.kv_layout, 8, torch.float32)
+    assert engine.kv_cache.num_blocks == (1 << 20) // per_block
+    cache_bytes = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    assert cache_bytes == engine.kv_cache.num_blocks * per_block
+    override = LLM(tiny_llama, block_size=8, max_model_len=64, num_gpu_blocks_override=9).llm_engine
+    assert override.kv_cache.num_blocks == 9
