@@ -24,6 +24,10 @@ import torch
 _COLUMN_CHUNK = 256  # columns grow in chunks so most steps reuse the buffer as is
 
 
+def _round_columns(num_tokens: int) -> int:
+    return -(-num_tokens // _COLUMN_CHUNK) * _COLUMN_CHUNK
+
+
 @attrs.frozen
 class MirrorPlan:
     """What one step does to the mirror; built once, applied by every layer."""
@@ -37,6 +41,7 @@ class MirrorPlan:
     fresh_len: int
     span: int  # attention runs over rows [0, span)
     max_ctx: int  # and columns [0, max_ctx)
+    max_rows: int  # buffers may grow to this many rows (the size cap)
     row_ctx: torch.Tensor  # [span] context length per row (1 for holes)
     masks: dict = attrs.field(factory=dict)
 
@@ -74,8 +79,18 @@ class DecodeMirror:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device,
-    ) -> MirrorPlan:
-        """Assign rows for this step's decode sequences (given in batch order)."""
+        max_cells: int,
+    ) -> MirrorPlan | None:
+        """Assign rows for this step's decode sequences (given in batch order).
+
+        Returns ``None`` (and forgets every row) when the buffer would need more than
+        ``max_cells`` rows x columns: the caller then gathers from the paged cache instead.
+        With ``max_cells`` = the paged cache's slots, the mirror stays within the paged
+        cache's size (up to a third more while rows have holes awaiting compaction).
+        """
+        if len(request_ids) * _round_columns(max(ctx_lens)) > max_cells:
+            self.reset()
+            return None
         active = set(request_ids)
         for rid in [r for r in self._row_of if r not in active]:
             self._release(rid)
@@ -124,8 +139,17 @@ class DecodeMirror:
             fresh_len=fresh_len,
             span=span,
             max_ctx=max(ctx_lens),
+            max_rows=max(span, max_cells // _round_columns(max(ctx_lens))),
             row_ctx=tensor(row_ctx),
         )
+
+    def reset(self) -> None:
+        """Forget all rows and free the buffers."""
+        self._row_of.clear()
+        self._len_of.clear()
+        self._free_rows.clear()
+        self._next_row = 0
+        self._buffers.clear()
 
     def _release(self, rid: str) -> None:
         heapq.heappush(self._free_rows, self._row_of.pop(rid))
@@ -202,9 +226,9 @@ class DecodeMirror:
         cols_cap = current[0].shape[2] if current else 0
         if rows_cap >= plan.span and cols_cap >= plan.max_ctx:
             return current
-        # Grow geometrically: each growth copies every layer's buffers.
-        rows = max(plan.span, 2 * rows_cap, 8)
-        cols = max(cols_cap, -(-plan.max_ctx // _COLUMN_CHUNK) * _COLUMN_CHUNK)
+        # Grow geometrically (each growth copies every layer's buffers), within the cap.
+        rows = max(plan.span, min(max(2 * rows_cap, 8), plan.max_rows))
+        cols = max(cols_cap, _round_columns(plan.max_ctx))
         grown = []
         for old in current or (None, None):
             buf = like.new_zeros(rows, num_kv_heads, cols, head_dim)

@@ -32,9 +32,10 @@ from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan
 class _Group:
     is_decode: bool
     query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats one)
-    key_slots: torch.Tensor  # [B * C] flat KV slot of each context position, row-major
-    mask: torch.Tensor  # [B, 1, Q, C] True where the key is visible
-    query_pos: torch.Tensor  # [B, Q] absolute position of each query
+    # Context gather (None when the decode mirror serves this group):
+    key_slots: torch.Tensor | None  # [B * C] flat KV slot of each context position
+    mask: torch.Tensor | None  # [B, 1, Q, C] True where the key is visible
+    query_pos: torch.Tensor | None  # [B, Q] absolute position of each query
     valid: torch.Tensor | None  # [B * Q] rows that are real queries (None: all are)
     out_index: torch.Tensor  # flat token index of each real query, in row order
     masks: dict = attrs.field(factory=dict)  # (sliding_window, dtype) -> additive mask
@@ -72,13 +73,20 @@ class TorchAttentionMetadata:
 
 
 def _build_group(
-    seq_ids: list[int], inputs: AttentionInputs, query_start: list[int], is_decode: bool
+    seq_ids: list[int],
+    inputs: AttentionInputs,
+    query_start: list[int],
+    is_decode: bool,
+    gathers: bool = True,
 ) -> _Group:
     device = inputs.device
     bs = inputs.block_size
+    starts = torch.tensor([query_start[s] for s in seq_ids], dtype=torch.long)
+    if not gathers:  # decodes served by the mirror: only where the queries are
+        index = starts.to(device)
+        return _Group(is_decode, index[:, None], None, None, None, None, index)
     q_lens = torch.tensor([inputs.query_lens[s] for s in seq_ids], dtype=torch.long)
     ctx_lens = torch.tensor([inputs.seq_lens[s] for s in seq_ids], dtype=torch.long)
-    starts = torch.tensor([query_start[s] for s in seq_ids], dtype=torch.long)
     max_q = int(q_lens.max())
     max_ctx = int(ctx_lens.max())
 
@@ -129,6 +137,8 @@ class TorchPagedAttention:
     name: str = "torch"
     decode_mirror: bool = True
     _mirror: DecodeMirror = attrs.field(init=False, factory=DecodeMirror)
+    # Token slots of the paged cache, learnt at the first forward; caps the mirror's size.
+    _num_slots: int | None = attrs.field(init=False, default=None)
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -141,13 +151,13 @@ class TorchPagedAttention:
             query_start.append(query_start[-1] + n)
         decodes = [i for i, n in enumerate(inputs.query_lens) if n == 1]
         prefills = [i for i, n in enumerate(inputs.query_lens) if n > 1]
-        groups = tuple(
-            _build_group(ids, inputs, query_start, is_decode)
-            for ids, is_decode in ((decodes, True), (prefills, False))
-            if ids
-        )
         plan = None
-        use_mirror = self.decode_mirror and inputs.device.type == "cpu" and inputs.request_ids
+        use_mirror = (
+            self.decode_mirror
+            and inputs.device.type == "cpu"
+            and inputs.request_ids
+            and self._num_slots is not None
+        )
         if use_mirror and decodes:
             plan = self._mirror.plan(
                 [inputs.request_ids[i] for i in decodes],
@@ -155,8 +165,14 @@ class TorchPagedAttention:
                 [inputs.block_tables[i] for i in decodes],
                 inputs.block_size,
                 inputs.device,
+                max_cells=self._num_slots,
             )
-        return TorchAttentionMetadata(inputs.slot_mapping, groups, plan)
+        groups = []
+        if decodes:
+            groups.append(_build_group(decodes, inputs, query_start, True, plan is None))
+        if prefills:
+            groups.append(_build_group(prefills, inputs, query_start, False))
+        return TorchAttentionMetadata(inputs.slot_mapping, tuple(groups), plan)
 
     def forward(
         self,
@@ -171,6 +187,7 @@ class TorchPagedAttention:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [Hkv, slots, D]
+        self._num_slots = key_cache.shape[1]
         key_cache.index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
         value_cache.index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
 
@@ -179,8 +196,8 @@ class TorchPagedAttention:
         group_size = num_heads // num_kv_heads
         out = torch.empty_like(q)
         for group in metadata.groups:
-            batch, max_q, max_ctx = group.shape
             if group.is_decode and metadata.mirror_plan is not None:
+                batch = group.query_index.shape[0]
                 tokens = group.query_index[:, 0]
                 attended = self._mirror.attend(
                     layer_idx,
@@ -195,6 +212,7 @@ class TorchPagedAttention:
                 )
                 out[group.out_index] = attended.reshape(batch, num_heads, head_dim)
                 continue
+            batch, max_q, max_ctx = group.shape
             # [Hkv, B * C, D] -> [B, Hkv, C, D]; each (sequence, head) slab is contiguous.
             keys = key_cache.index_select(1, group.key_slots).to(q.dtype)
             keys = keys.view(num_kv_heads, batch, max_ctx, head_dim).transpose(0, 1)

@@ -145,3 +145,25 @@ def test_decode_mirror_matches_gathering_across_joins_leaves_and_compaction():
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     mirror = backends[0][0]._mirror
     assert next_id > 20 and mirror.num_compactions > 0 and mirror.num_fills > 20
+
+
+def test_decode_mirror_falls_back_to_gathering_when_it_would_outgrow_the_cache():
+    heads, kv_heads, dim, bs = 2, 1, 4, 4
+    backend = TorchPagedAttention(decode_mirror=True)
+    cache = torch.randn(backend.kv_cache_shape(101, bs, kv_heads, dim))  # 404 slots
+    # Two decodes at 200 tokens would need 2 rows x 256 columns = 512 cells > 404.
+    tables = [list(range(0, 50)), list(range(50, 100))]
+    inputs = AttentionInputs(
+        query_lens=[1, 1], seq_lens=[200, 200], block_tables=tables,
+        slot_mapping=torch.tensor([199, 399]), block_size=bs, device=torch.device("cpu"),
+        request_ids=("a", "b"),
+    )
+    q, k, v = torch.randn(2, heads, dim), torch.randn(2, kv_heads, dim), torch.randn(2, kv_heads, dim)
+    reference = TorchPagedAttention(decode_mirror=False)
+    expected = AttentionContext(reference, reference.build_metadata(inputs), [cache.clone()]).attend(
+        0, q, k, v, scale=0.5)
+    backend._num_slots = cache.shape[2]  # as learnt from a first forward
+    metadata = backend.build_metadata(inputs)
+    assert metadata.mirror_plan is None
+    got = AttentionContext(backend, metadata, [cache]).attend(0, q, k, v, scale=0.5)
+    torch.testing.assert_close(got, expected)
