@@ -138,7 +138,7 @@ class EngineBuilder:
             tokenizer=tokenizer,
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
-            eos_token_id=_eos_token_id(tokenizer, hf_config),
+            eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
         )
 
 
@@ -153,13 +153,24 @@ def _max_model_len(cfg: EngineConfig, hf_config) -> int:
     return cfg.max_model_len
 
 
-def _eos_token_id(tokenizer, hf_config) -> int | None:
+def _eos_token_ids(tokenizer, hf_config, model_path) -> frozenset[int]:
+    """The tokenizer's EOS plus every id the model's generation config calls EOS."""
+    ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+        ids.add(int(tokenizer.eos_token_id))
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:  # no generation_config.json: the config and tokenizer are all we have
+        pass
+    for eos in sources:
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
 
 
 def _profile_peak_bytes(model, attention, layout, cfg, max_model_len, dtype, device) -> int:

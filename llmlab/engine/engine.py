@@ -36,7 +36,7 @@ class Engine:
     tokenizer: Any | None
     vocab_size: int
     max_model_len: int
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]
     observers: list[StepObserver] = attrs.field(factory=list)
     _requests: dict[str, Request] = attrs.field(factory=dict)
     _step_index: int = 0
@@ -75,7 +75,7 @@ class Engine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             prompt=text,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             generator=generator,
         )
         self._requests[request_id] = request

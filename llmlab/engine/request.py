@@ -38,7 +38,9 @@ class Request:
     arrival_time: float
     priority: int = 0
     prompt: str | None = None
-    eos_token_id: int | None = None
+    # Tokens that end generation unless ``ignore_eos``: the tokenizer's EOS plus any the
+    # checkpoint's generation_config lists (e.g. Llama 3 instruct's end-of-turn token).
+    eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

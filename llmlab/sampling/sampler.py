@@ -28,8 +28,8 @@ def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None
         params = r.sampling_params
         if r.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
-            if r.eos_token_id is not None and not params.ignore_eos:
-                banned.append(r.eos_token_id)
+            if not params.ignore_eos:
+                banned.extend(r.eos_token_ids)
             if banned:
                 logits[row, banned] = float("-inf")
 

@@ -144,7 +144,7 @@ class Scheduler:
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id

@@ -227,3 +227,25 @@ def test_kv_cache_is_sized_from_the_memory_budget(tiny_llama):
     assert cache_bytes == engine.kv_cache.num_blocks * per_block
     override = LLM(tiny_llama, block_size=8, max_model_len=64, num_gpu_blocks_override=9).llm_engine
     assert override.kv_cache.num_blocks == 9
+
+
+def test_generation_config_eos_ids_stop_generation(tmp_path, tiny_llama):
+    """Every EOS id of generation_config.json ends a request, as in vLLM (Llama 3 style)."""
+    import json
+    import shutil
+
+    model = tmp_path / "multi-eos"
+    shutil.copytree(tiny_llama, model)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt_token_ids": [7, 8, 9]}
+    free_run = LLM(str(model)).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = free_run[4]
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], stop_at]
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(model))
+    assert stop_at in llm.llm_engine.eos_token_ids
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    first = free_run.index(stop_at)
+    assert out.outputs[0].token_ids == free_run[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"

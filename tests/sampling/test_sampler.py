@@ -102,7 +102,7 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     logits[0, 3] = 100.0  # EOS dominates
     logits[0, 5] = 50.0  # then a stop token
     r = make_request([1], temperature=0.0, min_tokens=2, stop_token_ids=[5])
-    r.eos_token_id = 3
+    r.eos_token_ids = frozenset({3})
     out = Sampler()(logits.clone(), [r]).token_ids[0]
     assert out not in (3, 5)
     r.output_token_ids.extend([0, 0])

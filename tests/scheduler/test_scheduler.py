@@ -88,12 +88,12 @@ def test_preempted_request_keeps_its_tokens_and_recomputes_them():
 def test_stop_conditions():
     sched = make_scheduler()
     eos = make_request([3, 4], max_tokens=5)
-    eos.eos_token_id = 1
+    eos.eos_token_ids = frozenset({1})
     ignore = make_request([3, 4], max_tokens=5, ignore_eos=True)
-    ignore.eos_token_id = 1
+    ignore.eos_token_ids = frozenset({1})
     stop_tok = make_request([3, 4], max_tokens=5, stop_token_ids=[1])
     min_tok = make_request([3, 4], max_tokens=5, min_tokens=3)
-    min_tok.eos_token_id = 1
+    min_tok.eos_token_ids = frozenset({1})
     for r in (eos, ignore, stop_tok, min_tok):
         sched.add(r)
     while sched.num_unfinished:
