@@ -3,7 +3,10 @@
 from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
 from llmlab.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 
+ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchPagedAttention}
+
 __all__ = [
+    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "AttentionContext",
     "AttentionInputs",

@@ -205,7 +205,7 @@ class DecodeMirror:
                 buf[plan.fresh_rows, :, : plan.fresh_len] = filled.transpose(0, 1)
             buf[plan.rows, :, plan.new_cols] = new.to(buf.dtype)
 
-        batch, num_kv_heads, group, head_dim = queries.shape
+        _, num_kv_heads, group, head_dim = queries.shape
         q_rows = queries.new_zeros(plan.span, num_kv_heads, group, head_dim)
         q_rows[plan.rows] = queries
         attended = torch.nn.functional.scaled_dot_product_attention(

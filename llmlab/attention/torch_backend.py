@@ -191,7 +191,7 @@ class TorchPagedAttention:
         key_cache.index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
         value_cache.index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
 
-        num_tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[0]
         group_size = num_heads // num_kv_heads
         out = torch.empty_like(q)
@@ -212,7 +212,7 @@ class TorchPagedAttention:
                 )
                 out[group.out_index] = attended.reshape(batch, num_heads, head_dim)
                 continue
-            batch, max_q, max_ctx = group.shape
+            batch, _, max_ctx = group.shape
             # [Hkv, B * C, D] -> [B, Hkv, C, D]; each (sequence, head) slab is contiguous.
             keys = key_cache.index_select(1, group.key_slots).to(q.dtype)
             keys = keys.view(num_kv_heads, batch, max_ctx, head_dim).transpose(0, 1)

@@ -6,7 +6,9 @@
               .build())
 
 Every component left unset gets its built-in default (FCFS, LRU, torch attention, the
-default sampler), so swapping one piece still yields the whole engine.
+default sampler), so swapping one piece still yields the whole engine. Components may also
+be given by registered name (``"fcfs"``, ``"lru"``, ``"fifo"``, ``"random"``, ``"torch"``),
+which is how the command line picks them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import logging
 import attrs
 import torch
 
+from llmlab.attention import ATTENTION_BACKENDS
 from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
 from llmlab.attention.torch_backend import TorchPagedAttention
-from llmlab.cache.eviction import EvictionPolicy, LRUEviction
+from llmlab.cache.eviction import EVICTION_POLICIES, EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
 from llmlab.config import EngineConfig
@@ -33,7 +36,7 @@ from llmlab.models.loader import (
 )
 from llmlab.models.registry import get_model_class
 from llmlab.sampling.sampler import Sampler
-from llmlab.scheduler.policy import FCFS, SchedulingPolicy
+from llmlab.scheduler.policy import FCFS, SCHEDULING_POLICIES, SchedulingPolicy
 from llmlab.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -53,9 +56,9 @@ class EngineBuilder:
     """Holds a config and optional component instances; ``build()`` makes the engine."""
 
     config: EngineConfig
-    scheduling_policy: SchedulingPolicy | None = None
-    eviction_policy: EvictionPolicy | None = None
-    attention_backend: AttentionBackend | None = None
+    scheduling_policy: SchedulingPolicy | str | None = None
+    eviction_policy: EvictionPolicy | str | None = None
+    attention_backend: AttentionBackend | str | None = None
     sampler: Sampler | None = None
 
     def with_scheduling_policy(self, policy: SchedulingPolicy) -> EngineBuilder:
@@ -72,6 +75,9 @@ class EngineBuilder:
 
     def build(self) -> Engine:
         cfg = self.config
+        policy = _component("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        eviction = _component("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        attention = _component("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         device = resolve_device(cfg.device)
         model_path = resolve_model_path(cfg.model, cfg.revision)
         from transformers import AutoConfig
@@ -89,7 +95,7 @@ class EngineBuilder:
         tokenizer = None
         if not cfg.skip_tokenizer_init:
             tokenizer = load_tokenizer(cfg.tokenizer or str(model_path), cfg.revision)
-        attention = self.attention_backend or TorchPagedAttention()
+        attention = attention or TorchPagedAttention()
         layout = model.kv_layout
 
         num_blocks = num_blocks_for(
@@ -111,7 +117,7 @@ class EngineBuilder:
             num_blocks=num_blocks,
             block_size=cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            eviction=self.eviction_policy or LRUEviction(),
+            eviction=eviction or LRUEviction(),
         )
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed)
@@ -129,7 +135,7 @@ class EngineBuilder:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_model_len,
-            policy=self.scheduling_policy or FCFS(),
+            policy=policy or FCFS(),
         )
         return Engine(
             config=cfg,
@@ -140,6 +146,16 @@ class EngineBuilder:
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
         )
+
+
+def _component(kind: str, value, registry: dict[str, type]):
+    """An instance as given, or a new instance of the registered class named ``value``."""
+    if not isinstance(value, str):
+        return value
+    cls = registry.get(value)
+    if cls is None:
+        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(sorted(registry))}")
+    return cls()
 
 
 def _max_model_len(cfg: EngineConfig, hf_config) -> int:

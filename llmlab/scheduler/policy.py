@@ -5,7 +5,9 @@ The scheduler (mechanism) asks a policy two questions and never decides either i
 * ``order(waiting, now)``: the admission order of the waiting requests this step;
 * ``victim(candidates)``: which running request to preempt when KV blocks run out.
 
-A new policy is a small class with these two methods (see ``FCFS``).
+A policy may also define ``admit(request, budget) -> bool``; when it returns False the
+request is skipped this step (it stays waiting) and admission goes on with the next one.
+A new policy is a small class with these methods (see ``FCFS``).
 """
 
 from __future__ import annotations

@@ -94,9 +94,12 @@ class Scheduler:
         return ScheduledBatch(tuple(entries), tuple(preempted))
 
     def _admit(self, entries: list[ScheduledRequest], budget: int, now: float) -> int:
+        admit = getattr(self.policy, "admit", None)  # optional third decision
         for request in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if admit is not None and not admit(request, budget):
+                continue
             prefix = self.kv.lookup_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)

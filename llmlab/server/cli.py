@@ -26,6 +26,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--scheduling-policy", default="fcfs", help="registered name, e.g. fcfs")
+    parser.add_argument("--eviction-policy", default="lru", help="lru, fifo or random")
+    parser.add_argument("--attention-backend", default="torch")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +79,9 @@ def _generate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             enable_prefix_caching=not args.no_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            eviction_policy=args.eviction_policy,
+            attention_backend=args.attention_backend,
         )
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except ValueError as err:

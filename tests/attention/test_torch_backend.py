@@ -152,7 +152,7 @@ def test_decode_mirror_falls_back_to_gathering_when_it_would_outgrow_the_cache()
     backend = TorchPagedAttention(decode_mirror=True)
     cache = torch.randn(backend.kv_cache_shape(101, bs, kv_heads, dim))  # 404 slots
     # Two decodes at 200 tokens would need 2 rows x 256 columns = 512 cells > 404.
-    tables = [list(range(0, 50)), list(range(50, 100))]
+    tables = [list(range(50)), list(range(50, 100))]
     inputs = AttentionInputs(
         query_lens=[1, 1], seq_lens=[200, 200], block_tables=tables,
         slot_mapping=torch.tensor([199, 399]), block_size=bs, device=torch.device("cpu"),

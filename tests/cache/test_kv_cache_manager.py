@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmlab.cache import KVCacheManager, LRUEviction, RandomEviction, FIFOEviction
+from llmlab.cache import FIFOEviction, KVCacheManager, LRUEviction, RandomEviction
 from tests.helpers import make_request
 
 

@@ -249,3 +249,12 @@ def test_generation_config_eos_ids_stop_generation(tmp_path, tiny_llama):
     first = free_run.index(stop_at)
     assert out.outputs[0].token_ids == free_run[: first + 1]
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_components_by_registered_name(tiny_llama):
+    from llmlab.cache import FIFOEviction
+
+    llm = LLM(tiny_llama, eviction_policy="fifo", scheduling_policy="fcfs", attention_backend="torch")
+    assert isinstance(llm.llm_engine.kv_cache.eviction, FIFOEviction)
+    with pytest.raises(ValueError, match="unknown eviction_policy 'mru'; choose one of fifo, lru, random"):
+        LLM(tiny_llama, eviction_policy="mru")

@@ -1,6 +1,5 @@
 """Continuous batching, chunked prefill, preemption and policies, with no model attached."""
 
-import pytest
 
 from llmlab.cache import KVCacheManager
 from llmlab.engine.request import RequestStatus
@@ -154,3 +153,17 @@ def test_prefix_hit_skips_cached_tokens_at_admission():
     sched.add(b)
     batch, _ = run_step(sched)
     assert (batch.entries[0].num_computed_tokens, batch.entries[0].num_new_tokens) == (12, 1)
+
+
+def test_an_optional_admit_hook_can_hold_a_request_back():
+    class NoLongPromptsWhileBusy(FCFS):
+        def admit(self, request, budget):
+            return request.num_prompt_tokens <= budget // 2
+
+    sched = make_scheduler(budget=16, policy=NoLongPromptsWhileBusy())
+    long, short = make_request(range(12), arrival=0), make_request(range(4), arrival=1)
+    sched.add(long)
+    sched.add(short)
+    batch, _ = run_step(sched)
+    assert [e.request for e in batch.entries] == [short]  # the long one was skipped, not blocking
+    assert long in sched.waiting

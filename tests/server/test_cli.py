@@ -7,8 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 
 def run_cli(args, cache_dir):
     exe = shutil.which("llmlab")
