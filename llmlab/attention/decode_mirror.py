@@ -41,7 +41,8 @@ class MirrorPlan:
     fresh_len: int
     span: int  # attention runs over rows [0, span)
     max_ctx: int  # and columns [0, max_ctx)
-    max_rows: int  # buffers may grow to this many rows (the size cap)
+    max_rows: int  # buffers may grow to this many rows (the size cap) ...
+    max_cols: int  # ... or to this many columns
     row_ctx: torch.Tensor  # [span] context length per row (1 for holes)
     masks: dict = attrs.field(factory=dict)
 
@@ -140,6 +141,7 @@ class DecodeMirror:
             span=span,
             max_ctx=max(ctx_lens),
             max_rows=max(span, max_cells // _round_columns(max(ctx_lens))),
+            max_cols=max(_round_columns(max(ctx_lens)), max_cells // span),
             row_ctx=tensor(row_ctx),
         )
 
@@ -227,10 +229,15 @@ class DecodeMirror:
         if rows_cap >= plan.span and cols_cap >= plan.max_ctx:
             return current
         # Grow geometrically (each growth copies every layer's buffers), within the cap.
-        rows = max(plan.span, min(max(2 * rows_cap, 8), plan.max_rows))
-        cols = max(cols_cap, _round_columns(plan.max_ctx))
+        rows, cols = rows_cap, cols_cap
+        if rows_cap < plan.span:
+            rows = max(plan.span, min(max(2 * rows_cap, 8), plan.max_rows))
+        if cols_cap < plan.max_ctx:
+            cols = max(_round_columns(plan.max_ctx), min(2 * cols_cap, plan.max_cols))
         grown = []
         for old in current or (None, None):
+            # Zeroed, not empty: SDPA still multiplies masked-out columns, and garbage there
+            # (NaN, inf, denormals) would poison or slow every row.
             buf = like.new_zeros(rows, num_kv_heads, cols, head_dim)
             if old is not None:
                 buf[:rows_cap, :, :cols_cap] = old

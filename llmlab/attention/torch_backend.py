@@ -123,6 +123,31 @@ def _build_group(
     )
 
 
+# A prefill group may pad its attention work (rows x columns) up to this factor of the
+# real work before a new group starts: one SDPA call per group costs little, padding a
+# 16-token prompt to a 256-token one costs 16x.
+_MAX_PADDING_FACTOR = 1.5
+
+
+def _length_buckets(
+    seq_ids: list[int], query_lens: list[int], seq_lens: list[int]
+) -> list[list[int]]:
+    """Split prefill sequences into groups of similar size, largest first."""
+    ordered = sorted(seq_ids, key=lambda s: (seq_lens[s], query_lens[s]), reverse=True)
+    buckets: list[list[int]] = []
+    padded_cell = real = 0
+    for s in ordered:
+        work = query_lens[s] * seq_lens[s]
+        if buckets and (len(buckets[-1]) + 1) * padded_cell <= _MAX_PADDING_FACTOR * (real + work):
+            buckets[-1].append(s)
+            real += work
+            continue
+        # Sorted by length, so the first member sets the group's padded shape.
+        buckets.append([s])
+        padded_cell, real = work, work
+    return buckets
+
+
 @attrs.define
 class TorchPagedAttention:
     """Reference paged attention built from gather + ``scaled_dot_product_attention``.
@@ -170,8 +195,8 @@ class TorchPagedAttention:
         groups = []
         if decodes:
             groups.append(_build_group(decodes, inputs, query_start, True, plan is None))
-        if prefills:
-            groups.append(_build_group(prefills, inputs, query_start, False))
+        for bucket in _length_buckets(prefills, inputs.query_lens, inputs.seq_lens):
+            groups.append(_build_group(bucket, inputs, query_start, False))
         return TorchAttentionMetadata(inputs.slot_mapping, tuple(groups), plan)
 
     def forward(
