@@ -12,8 +12,11 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from llmlab.attention.backend import AttentionContext
+from llmlab.models.weights import WeightTarget, load_mapped_weights
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -71,3 +74,26 @@ class CausalLM(Protocol):
         parameter that no weight filled.
         """
         ...
+
+
+class PagedCausalLMBase(nn.Module):
+    """What every built-in model shares: the (possibly tied) LM head and weight loading.
+
+    Subclasses set ``self.lm_head`` (``None`` when tied to the input embedding), implement
+    ``input_embedding()`` and ``_map_weight_name(name) -> WeightTarget | None``.
+    """
+
+    lm_head: nn.Linear | None
+
+    def input_embedding(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.input_embedding().weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_mapped_weights(self, weights, self._map_weight_name)
+
+    def _map_weight_name(self, name: str) -> WeightTarget | None:
+        raise NotImplementedError

@@ -7,16 +7,13 @@ weights; we transpose them once at load time so the hot path is ordinary ``F.lin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
-from llmlab.models.base import KVLayout
+from llmlab.models.base import KVLayout, PagedCausalLMBase
 from llmlab.models.layers import config_value, get_activation
-from llmlab.models.weights import WeightTarget, load_mapped_weights, strip_prefixes
+from llmlab.models.weights import WeightTarget, strip_prefixes
 
 # Conv1D modules, whose checkpoint weights are [in, out].
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -75,7 +72,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PagedCausalLMBase):
     """GPT-2 and its many re-trainings (DistilGPT2, tiny test checkpoints, ...)."""
 
     def __init__(self, hf_config: object) -> None:
@@ -106,12 +103,8 @@ class GPT2LMHeadModel(nn.Module):
             hidden = block(hidden, attn)
         return self.ln_f(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped_weights(self, weights, self._map_weight_name)
+    def input_embedding(self) -> nn.Embedding:
+        return self.wte
 
     def _map_weight_name(self, name: str) -> WeightTarget | None:
         name = strip_prefixes(name, ("transformer.",))

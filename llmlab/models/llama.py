@@ -12,15 +12,13 @@ so each block runs four matmuls instead of seven.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
-from llmlab.models.base import KVLayout
+from llmlab.models.base import KVLayout, PagedCausalLMBase
 from llmlab.models.layers import (
     RMSNorm,
     RopeSpec,
@@ -29,7 +27,7 @@ from llmlab.models.layers import (
     config_value,
     get_activation,
 )
-from llmlab.models.weights import WeightTarget, load_mapped_weights, strip_prefixes
+from llmlab.models.weights import WeightTarget, strip_prefixes
 
 
 @attrs.frozen
@@ -187,7 +185,7 @@ _FUSED_SLICES = {
 _LAYER_NAME = re.compile(r"^(layers\.\d+\.)(.+)\.(weight|bias)$")
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCausalLMBase):
     """Llama 1/2/3 (Touvron et al., 2023; Meta, 2024) and the base of the family."""
 
     def __init__(self, hf_config: object) -> None:
@@ -221,12 +219,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, attn)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped_weights(self, weights, self._map_weight_name)
+    def input_embedding(self) -> nn.Embedding:
+        return self.embed_tokens
 
     def _map_weight_name(self, name: str) -> WeightTarget | None:
         if name.endswith("rotary_emb.inv_freq"):

@@ -13,16 +13,13 @@ Quirks carried over from fairseq/metaseq, each a config switch here:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
-from llmlab.models.base import KVLayout
+from llmlab.models.base import KVLayout, PagedCausalLMBase
 from llmlab.models.layers import config_value, get_activation
-from llmlab.models.weights import WeightTarget, load_mapped_weights, strip_prefixes
+from llmlab.models.weights import WeightTarget, strip_prefixes
 
 # fairseq's learned-position table starts after two reserved (padding) rows.
 POSITION_OFFSET = 2
@@ -78,7 +75,7 @@ class OPTDecoderLayer(nn.Module):
         return self.final_layer_norm(x + self.fc2(self.act(self.fc1(x))))
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(PagedCausalLMBase):
     """OPT-125m ... OPT-66B and checkpoints fine-tuned from them."""
 
     def __init__(self, hf_config: object) -> None:
@@ -123,12 +120,8 @@ class OPTForCausalLM(nn.Module):
             hidden = self.project_out(hidden)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped_weights(self, weights, self._map_weight_name)
+    def input_embedding(self) -> nn.Embedding:
+        return self.embed_tokens
 
     def _map_weight_name(self, name: str) -> WeightTarget | None:
         name = strip_prefixes(name, ("model.", "decoder."))
