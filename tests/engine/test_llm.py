@@ -258,3 +258,29 @@ def test_components_by_registered_name(tiny_llama):
     assert isinstance(llm.llm_engine.kv_cache.eviction, FIFOEviction)
     with pytest.raises(ValueError, match="unknown eviction_policy 'mru'; choose one of fifo, lru, random"):
         LLM(tiny_llama, eviction_policy="mru")
+
+
+def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
+    """The CUDA profiling forward (run here on CPU with the CUDA calls stubbed)."""
+    from llmlab.engine import builder
+
+    engine = LLM(tiny_llama, max_model_len=48, max_num_batched_tokens=100).llm_engine
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 10**9)
+    seen = []
+    model = engine.runner.model
+    original = model.forward
+
+    def spy(input_ids, positions, attn):
+        seen.append((input_ids.shape[0], int(positions.max())))
+        return original(input_ids, positions, attn)
+
+    monkeypatch.setattr(model, "forward", spy)
+    peak = builder._profile_peak_bytes(
+        model, engine.runner.attention, model.kv_layout, engine.config, 48, torch.float32,
+        torch.device("cpu"),
+    )
+    # 100 tokens as sequences of at most max_model_len=48 (48 + 48 + 4); cache excluded.
+    assert seen == [(100, 47)]
+    assert 0 < peak < 10**9
