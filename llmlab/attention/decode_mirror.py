@@ -21,6 +21,14 @@ import heapq
 import attrs
 import torch
 
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``visible``, -inf elsewhere: the CPU SDPA kernel is markedly faster with an
+    additive float mask than with a boolean one."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
+
+
 _COLUMN_CHUNK = 256  # columns grow in chunks so most steps reuse the buffer as is
 
 
@@ -54,9 +62,7 @@ class MirrorPlan:
             visible = cols[None, :] < self.row_ctx[:, None]
             if sliding_window is not None:
                 visible &= (self.row_ctx[:, None] - 1 - cols[None, :]) < sliding_window
-            cached = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            cached.masked_fill_(~visible, float("-inf"))
-            cached = cached[:, None, None, :]  # [span, 1, 1, C]
+            cached = additive_mask(visible, dtype)[:, None, None, :]  # [span, 1, 1, C]
             self.masks[key] = cached
         return cached
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmlab.attention.backend import AttentionInputs
-from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan
+from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan, additive_mask
 
 
 @attrs.frozen
@@ -46,10 +46,7 @@ class _Group:
         return batch, max_q, self.mask.shape[-1]
 
     def mask_for(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (0 visible, -inf hidden), built once per step and reused by layers.
-
-        An additive float mask is markedly faster than a boolean one in the CPU SDPA kernel.
-        """
+        """Additive mask (0 visible, -inf hidden), built once per step and reused by layers."""
         key = (sliding_window, dtype)
         cached = self.masks.get(key)
         if cached is None:
@@ -58,8 +55,7 @@ class _Group:
                 key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
                 in_window = (self.query_pos[:, :, None] - key_pos) < sliding_window
                 visible = visible & in_window[:, None]
-            cached = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            cached.masked_fill_(~visible, float("-inf"))
+            cached = additive_mask(visible, dtype)
             self.masks[key] = cached
         return cached
 

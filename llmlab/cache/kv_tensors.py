@@ -18,9 +18,8 @@ CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
 
 
 def bytes_per_block(layout: Any, block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes of one block across all layers (``layout`` has num_layers/num_kv_heads/head_dim)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * layout.num_layers * block_size * layout.num_kv_heads * layout.head_dim * elem
+    """KV bytes of one block across all layers (``layout`` is the model's ``KVLayout``)."""
+    return block_size * layout.bytes_per_token(dtype)
 
 
 def allocate_kv_caches(
