@@ -11,7 +11,7 @@ from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import StepEvent
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
-from llmlab.engine.request import Request, RequestStatus
+from llmlab.request import Request, RequestStatus
 from llmlab.llm import LLM
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 

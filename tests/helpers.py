@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from llmlab.engine.request import Request
+from llmlab.request import Request
 from llmlab.sampling.params import SamplingParams
 
 _ids = itertools.count()

@@ -18,7 +18,7 @@ from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.prefix_index import PrefixIndex, extend_block_hashes
 
 if TYPE_CHECKING:
-    from llmlab.engine.request import Request
+    from llmlab.request import Request
 
 
 @attrs.frozen

@@ -19,7 +19,7 @@ from llmlab.config import EngineConfig
 from llmlab.engine.events import StepEvent, StepObserver
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
-from llmlab.engine.request import Request
+from llmlab.request import Request
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.scheduler.scheduler import Scheduler
 

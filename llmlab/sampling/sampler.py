@@ -9,11 +9,13 @@ same tokens whatever else shares the batch. Unseeded rows share the engine's gen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from llmlab.engine.request import Request
+if TYPE_CHECKING:
+    from llmlab.request import Request
 
 
 @attrs.frozen

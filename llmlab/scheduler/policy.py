@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from llmlab.engine.request import Request
+from llmlab.request import Request
 
 
 @runtime_checkable

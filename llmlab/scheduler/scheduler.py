@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from llmlab.cache.kv_cache_manager import KVCacheManager
-from llmlab.engine.request import Request, RequestStatus
+from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.policy import FCFS, SchedulingPolicy
 
 

@@ -2,7 +2,7 @@
 
 
 from llmlab.cache import KVCacheManager
-from llmlab.engine.request import RequestStatus
+from llmlab.request import RequestStatus
 from llmlab.scheduler import FCFS, Scheduler
 from tests.helpers import make_request
 

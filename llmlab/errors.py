@@ -1,0 +1,37 @@
+"""Errors the engine raises on behalf of user components.
+
+A scheduling policy, eviction policy, attention backend, sampler or observer is user code:
+it may raise. The engine first brings its own state back to a consistent point (blocks
+accounted for, queues intact), then reports the failure as a :class:`ComponentError` that
+names the component and the method, chained to the original exception.
+"""
+
+from __future__ import annotations
+
+
+def component_name(component: object) -> str:
+    """``'name' (ClassName)`` for a component with a ``name``, else the class name."""
+    cls = type(component).__name__
+    name = getattr(component, "name", None)
+    return f"{name!r} ({cls})" if isinstance(name, str) and name != cls else cls
+
+
+class ComponentError(RuntimeError):
+    """A user-swappable component raised or broke its contract.
+
+    Attributes:
+        component: the component object.
+        method: the method that failed (``"on_free"``, ``"evict"``, ``"order"``, ...).
+    """
+
+    def __init__(self, kind: str, component: object, method: str, detail: str) -> None:
+        self.component = component
+        self.method = method
+        super().__init__(f"{kind} {component_name(component)} failed in {method}(): {detail}")
+
+    @classmethod
+    def wrap(cls, kind: str, component: object, method: str, err: BaseException) -> ComponentError:
+        """A ComponentError describing ``err``, raised by ``component.method``."""
+        new = cls(kind, component, method, f"{type(err).__name__}: {err}")
+        new.__cause__ = err
+        return new
