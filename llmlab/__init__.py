@@ -11,8 +11,8 @@ from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import StepEvent
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
-from llmlab.request import Request, RequestStatus
 from llmlab.llm import LLM
+from llmlab.request import Request, RequestStatus
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
 # vLLM's name for the engine class.

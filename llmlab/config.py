@@ -1,43 +1,101 @@
 """``EngineConfig``: every engine setting in one frozen, validated attrs class.
 
 Change a setting with ``attrs.evolve(config, block_size=32)``; invalid values are rejected
-at construction with a message naming the field, the value and what is allowed.
+at construction with a message naming the field, the value and what is allowed: a wrong
+type is a ``TypeError``, a value out of range a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+
 import attrs
+import torch
+
+from llmlab.validation import as_bool, as_choice, as_int, as_real, as_seed, as_str
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-def _positive(instance, attribute, value) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
+def _path(field: str, value: object, *, allow_none: bool = False) -> str | None:
+    """A directory or hub id: a non-empty str (an ``os.PathLike`` becomes its str)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    return as_str(field, value, allow_none=allow_none, allow_empty=False)
 
 
-def _fraction(instance, attribute, value) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{attribute.name} must be in (0, 1], got {value!r}")
+def _dtype(value: object) -> str | torch.dtype:
+    if not isinstance(value, torch.dtype):  # vLLM takes a torch.dtype too
+        value = as_str("dtype", value, allow_empty=False)
+    if value != "auto":
+        # The loader owns the list of dtype names; asking it here rejects a typo at
+        # construction rather than after the model download.
+        from llmlab.models.loader import resolve_dtype
+
+        resolve_dtype(value, None)
+    return value
 
 
-def _device(instance, attribute, value) -> None:
-    if value not in ("auto", "cpu", "cuda") and not str(value).startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+def _device(value: object) -> str:
+    allowed = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+    if not isinstance(value, str):
+        raise TypeError(f"device must be {allowed}, got {type(value).__name__} {value!r}")
+    if not _DEVICE.fullmatch(value):
+        raise ValueError(f"device must be {allowed}, got {value!r}")
+    return str(value)
+
+
+def _single_device(field: str, value: object) -> int:
+    size = as_int(field, value)
+    if size != 1:
+        raise ValueError(
+            f"{field}={size} is not supported: llmlab runs on one device (only 1 is allowed)"
+        )
+    return size
+
+
+def _only(field: str, supported: object, value: object, *, allow_none: bool = False) -> object:
+    """A vLLM setting llmlab has one value for: accept that value, refuse the others."""
+    as_str(field, value, allow_none=allow_none)
+    if value != supported:
+        raise ValueError(f"{field}={value!r} is not supported (only {supported!r})")
+    return value
+
+
+def _positive(field: str, *, allow_none: bool = False):
+    return functools.partial(as_int, field, min=1, allow_none=allow_none)
+
+
+def _flag(field: str):
+    return functools.partial(as_bool, field)
 
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    """Engine settings (vLLM names and defaults where vLLM has them).
+    """Engine settings (vLLM names, meanings and defaults where vLLM has them).
 
     Attributes:
-        model: local directory or Hugging Face hub id.
+        model: local directory or Hugging Face hub id (a ``pathlib.Path`` is taken as its str).
         tokenizer: tokenizer directory or hub id; defaults to ``model``.
         revision: hub revision (branch, tag or commit) of the model.
-        dtype: ``"auto"`` (the checkpoint's dtype, float32 if unset), or a dtype name.
-        seed: seeds the engine's generator for requests without their own seed.
+        tokenizer_revision: hub revision of the tokenizer; defaults to ``revision``.
+        tokenizer_mode: ``"auto"`` (the fast tokenizer when there is one) or ``"slow"``
+            (the Python one). vLLM's ``"mistral"`` and ``"custom"`` modes are refused.
+        dtype: ``"auto"`` (the checkpoint's dtype, float32 if unset), or a dtype name
+            (``"float16"``, ``"bfloat16"``, ...) or ``torch.dtype``.
+        seed: seeds the engine's generator for requests without their own seed; ``None``
+            (vLLM's default) means not reproducible: the engine draws a random seed, which
+            it keeps in its own copy of the config.
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda[:N]"``.
         max_model_len: longest sequence (prompt + output); defaults to the model config's.
         block_size: tokens per KV block.
         enable_prefix_caching: reuse KV blocks across requests sharing a prefix.
+        enable_chunked_prefill: ``None`` or ``True``: a long prompt is prefilled in chunks
+            across steps, sharing each step's token budget with decodes. ``False``: every
+            prompt is prefilled in one step, so ``max_num_batched_tokens`` must be at least
+            ``max_model_len``.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most new tokens per step (prefill chunks + decodes);
             ``None`` picks 8192 on CUDA and 2048 on CPU, where activations of larger
@@ -47,20 +105,111 @@ class EngineConfig:
         gpu_memory_utilization: on CUDA, the fraction of device memory the engine may use,
             weights and activations included; the KV cache gets what profiling leaves.
         skip_tokenizer_init: run on token ids only (no text in or out).
+        download_dir: where hub downloads go; ``None`` is the Hugging Face cache.
+        max_logprobs: most logprobs a request may ask for; -1 means no limit.
+
+    Accepted for vLLM compatibility, with nothing to change in llmlab:
+        trust_remote_code: llmlab never runs code from a checkpoint; it supports its
+            built-in architectures only, whatever this says.
+        enforce_eager: llmlab captures no CUDA graphs yet, so it runs eagerly either way.
+        disable_log_stats: llmlab logs no periodic stats; per-step numbers are in the
+            engine's ``StepEvent``s.
+        swap_space: GiB of CPU memory per GPU for swapped-out KV blocks. Unused: llmlab
+            preempts by recompute (a preempted request's blocks are freed and its tokens
+            recomputed on resumption), so nothing is ever swapped.
+
+    vLLM settings with one supported value (any other is a ``ValueError``):
+        tensor_parallel_size, pipeline_parallel_size: 1; llmlab runs on one device.
+        quantization: ``None``; weights run in ``dtype``.
+        kv_cache_dtype: ``"auto"``; the KV cache has the model's dtype.
     """
 
-    model: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    device: str = attrs.field(default="auto", validator=_device)
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
-    block_size: int = attrs.field(default=16, validator=_positive)
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)
-    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_positive)
-    num_gpu_blocks_override: int | None = attrs.field(default=None, validator=_positive)
-    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
-    skip_tokenizer_init: bool = False
+    model: str = attrs.field(converter=functools.partial(_path, "model"))
+    tokenizer: str | None = attrs.field(
+        default=None, converter=functools.partial(_path, "tokenizer", allow_none=True)
+    )
+    revision: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_str, "revision", allow_none=True, allow_empty=False),
+    )
+    tokenizer_revision: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(
+            as_str, "tokenizer_revision", allow_none=True, allow_empty=False
+        ),
+    )
+    tokenizer_mode: str = attrs.field(
+        default="auto",
+        converter=functools.partial(as_choice, "tokenizer_mode", choices=("auto", "slow")),
+    )
+    dtype: str | torch.dtype = attrs.field(default="auto", converter=_dtype)
+    seed: int | None = attrs.field(
+        default=0, converter=functools.partial(as_seed, "seed", allow_none=True)
+    )
+    device: str = attrs.field(default="auto", converter=_device)
+    max_model_len: int | None = attrs.field(
+        default=None, converter=_positive("max_model_len", allow_none=True)
+    )
+    block_size: int = attrs.field(default=16, converter=_positive("block_size"))
+    enable_prefix_caching: bool = attrs.field(
+        default=True, converter=_flag("enable_prefix_caching")
+    )
+    enable_chunked_prefill: bool | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_bool, "enable_chunked_prefill", allow_none=True),
+    )
+    max_num_seqs: int = attrs.field(default=256, converter=_positive("max_num_seqs"))
+    max_num_batched_tokens: int | None = attrs.field(
+        default=None, converter=_positive("max_num_batched_tokens", allow_none=True)
+    )
+    kv_cache_memory_bytes: int | None = attrs.field(
+        default=None, converter=_positive("kv_cache_memory_bytes", allow_none=True)
+    )
+    num_gpu_blocks_override: int | None = attrs.field(
+        default=None, converter=_positive("num_gpu_blocks_override", allow_none=True)
+    )
+    gpu_memory_utilization: float = attrs.field(
+        default=0.9,
+        converter=functools.partial(
+            as_real, "gpu_memory_utilization", min=0, min_inclusive=False, max=1
+        ),
+    )
+    skip_tokenizer_init: bool = attrs.field(default=False, converter=_flag("skip_tokenizer_init"))
+    download_dir: str | None = attrs.field(
+        default=None, converter=functools.partial(_path, "download_dir", allow_none=True)
+    )
+    max_logprobs: int = attrs.field(
+        default=20,
+        converter=functools.partial(
+            as_int, "max_logprobs", min=-1, allowed=">= 0, or -1 for no limit"
+        ),
+    )
+    trust_remote_code: bool = attrs.field(default=False, converter=_flag("trust_remote_code"))
+    enforce_eager: bool = attrs.field(default=False, converter=_flag("enforce_eager"))
+    disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
+    swap_space: float = attrs.field(
+        default=4.0, converter=functools.partial(as_real, "swap_space", min=0)
+    )
+    tensor_parallel_size: int = attrs.field(
+        default=1, converter=functools.partial(_single_device, "tensor_parallel_size")
+    )
+    pipeline_parallel_size: int = attrs.field(
+        default=1, converter=functools.partial(_single_device, "pipeline_parallel_size")
+    )
+    quantization: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(_only, "quantization", None, allow_none=True),
+    )
+    kv_cache_dtype: str = attrs.field(
+        default="auto", converter=functools.partial(_only, "kv_cache_dtype", "auto")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        budget, max_len = self.max_num_batched_tokens, self.max_model_len
+        # The engine checks again once max_model_len is known from the model's config.
+        one_step_prefill = self.enable_chunked_prefill is False
+        if one_step_prefill and None not in (budget, max_len) and budget < max_len:
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens ({budget}) "
+                f">= max_model_len ({max_len}), so that every prompt fits one step"
+            )

@@ -35,3 +35,15 @@ class ComponentError(RuntimeError):
         new = cls(kind, component, method, f"{type(err).__name__}: {err}")
         new.__cause__ = err
         return new
+
+
+class RequestFailedError(RuntimeError):
+    """The engine had to end a request itself (e.g. it can never fit the KV cache).
+
+    The request is finished with ``finish_reason="abort"``; the engine raises this after
+    the step so the failure is loud, and the other requests carry on.
+    """
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        self.request_id = request_id
+        super().__init__(reason)

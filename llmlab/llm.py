@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +16,9 @@ from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine, PromptType
 from llmlab.engine.outputs import RequestOutput
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
+from llmlab.validation import as_int
+
+logger = logging.getLogger(__name__)
 
 _CONFIG_FIELDS = tuple(f.name for f in attrs.fields(EngineConfig))
 
@@ -53,47 +59,89 @@ class LLM:
             sampler=sampler,
         )
         self.llm_engine: Engine = builder.build()
-        self._ids = itertools.count()
+        self._init_state()
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
         """Wrap an engine built elsewhere (e.g. by an ``EngineBuilder``)."""
         llm = cls.__new__(cls)
         llm.llm_engine = engine
-        llm._ids = itertools.count()
+        llm._init_state()
         return llm
+
+    def _init_state(self) -> None:
+        self._ids = itertools.count()
+        # One generate() at a time: a second thread waits for the first to finish rather
+        # than interleaving requests and steps with it.
+        self._lock = threading.Lock()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the model's
+        ``generation_config.json`` settings (temperature, top_p, top_k, min_p,
+        max_new_tokens), vLLM's defaults for the rest."""
+        return self.llm_engine.default_sampling_params
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in input order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``), or a
-        list of those. ``sampling_params``: one for all prompts or one per prompt.
-        All prompts are validated before any is queued: on ``ValueError`` nothing runs.
+        list of those. ``sampling_params``: one for all prompts, one per prompt, or None
+        for :meth:`get_default_sampling_params`. ``priority``: one int per prompt (kept on
+        each request for scheduling policies that use it).
+        All prompts are validated before any is queued: on an error nothing runs. After an
+        error or Ctrl-C the engine holds none of this call's requests and no blocks for
+        them. Calls from several threads run one after another.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        engine = self.llm_engine
-        ids = [str(next(self._ids)) for _ in prompt_list]
+        priorities = _as_priorities(priority, len(prompt_list))
+        with self._lock:
+            engine = self.llm_engine
+            ids = self._new_ids(len(prompt_list))
+            try:
+                for request_id, prompt, params, prio in zip(
+                    ids, prompt_list, params_list, priorities, strict=True
+                ):
+                    final_only = attrs.evolve(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                    engine.add_request(request_id, prompt, final_only, priority=prio)
+                return self._run(ids, use_tqdm)
+            finally:
+                self._abort_quietly(ids)
+
+    def _new_ids(self, n: int) -> list[str]:
+        """Fresh request ids that no request in the engine uses (a user's own included)."""
+        ids = []
+        while len(ids) < n:
+            candidate = str(next(self._ids))
+            if not self.llm_engine.has_request(candidate):
+                ids.append(candidate)
+        return ids
+
+    def _abort_quietly(self, ids: list[str]) -> None:
+        """Abort whatever is left of ``ids``; an error here must not mask the original one."""
+        pending = sys.exc_info()[1] is not None
         try:
-            for request_id, prompt, params in zip(ids, prompt_list, params_list, strict=True):
-                final_only = attrs.evolve(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_id, prompt, final_only)
-            return self._run(ids, use_tqdm)
-        finally:
-            # After an error or an interrupt, leave the engine empty and its blocks free.
-            engine.abort_request(ids)
+            self.llm_engine.abort_request(ids)
+        except Exception:
+            if not pending:
+                raise
+            logger.exception("while cleaning up after an error, aborting requests also failed")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
+        pending = set(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -101,24 +149,43 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         num_output_tokens = 0
         try:
-            while engine.has_unfinished_requests():
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"the engine has no unfinished requests but {len(pending)} of this "
+                        "call's are missing (aborted from outside generate?)"
+                    )
                 for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        num_output_tokens += len(out.outputs[0].token_ids)
-                        if bar is not None:
-                            bar.update(1)
-                            rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
-                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                    if out.request_id not in pending or not out.finished:
+                        continue
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    num_output_tokens += len(out.outputs[0].token_ids)
+                    if bar is not None:
+                        bar.update(1)
+                        rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
 
 
+def _as_priorities(priority: Any, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise TypeError(f"priority must be a list of ints (one per prompt), got {priority!r}")
+    if len(priority) != n:
+        raise ValueError(f"got {len(priority)} priorities for {n} prompts; pass one per prompt")
+    return [as_int("priority", p) for p in priority]
+
+
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError("prompts must be a str, a dict or a list of them, got bytes")
     if isinstance(prompts, Sequence):
         if prompts and all(isinstance(p, int) for p in prompts):
             raise ValueError(
@@ -126,7 +193,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
                 "tokenized prompt"
             )
         return list(prompts)
-    raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts)}")
+    raise TypeError(
+        f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}"
+    )
 
 
 def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
@@ -134,9 +203,17 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Sequence):
+        raise TypeError(
+            f"sampling_params must be SamplingParams or a list of them, got "
+            f"{type(params).__name__}"
+        )
     params = list(params)
     if len(params) != n:
         raise ValueError(
             f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt"
         )
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
     return params

@@ -1,4 +1,8 @@
-"""A request's lifetime state, owned by the scheduler and read by the model runner."""
+"""A request's lifetime state: owned by the scheduler, read by everything below the engine.
+
+This module sits below the engine, scheduler, cache and sampler (it imports only
+``SamplingParams``), so those packages import it downward and never reach into the engine.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ class Request:
     # Tokens that end generation unless ``ignore_eos``: the tokenizer's EOS plus any the
     # checkpoint's generation_config lists (e.g. Llama 3 instruct's end-of-turn token).
     eos_token_ids: frozenset[int] = frozenset()
+    # The request's own random stream when ``sampling_params.seed`` is set; the sampler
+    # creates it on the logits' device at the first draw and it lives with the request, so
+    # a preempted request continues its stream.
     generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -54,6 +61,10 @@ class Request:
     # Chained hashes of this request's full blocks, computed once and kept across
     # preemptions (the tokens they cover never change).
     block_hashes: list[int] = attrs.field(factory=list)
+    # Scheduler row while admitted (None while waiting or finished); see scheduler.batch.
+    row: int | None = None
+    # Why the engine ended the request itself (e.g. it can never fit the KV cache).
+    error: str | None = None
 
     def __attrs_post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

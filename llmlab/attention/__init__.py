@@ -1,6 +1,12 @@
 """Attention backends: the interface, and the plain-torch paged reference."""
 
-from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
+from llmlab.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionInputs,
+    block_table_tensor,
+    token_slots,
+)
 from llmlab.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 
 ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchPagedAttention}
@@ -12,4 +18,6 @@ __all__ = [
     "AttentionInputs",
     "TorchAttentionMetadata",
     "TorchPagedAttention",
+    "block_table_tensor",
+    "token_slots",
 ]

@@ -15,7 +15,35 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import numpy as np
 import torch
+
+
+def token_slots(
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Flat KV slot (``block_id * block_size + offset``) of each position: the one place
+    the paged address formula lives.
+
+    ``block_tables`` is ``[num_seqs, max_blocks]``; ``seq_index`` and ``positions`` are
+    equal-shaped (or broadcastable) long tensors naming a sequence and a position in it.
+    """
+    blocks = block_tables[seq_index, torch.div(positions, block_size, rounding_mode="floor")]
+    return blocks * block_size + positions % block_size
+
+
+def block_table_tensor(tables, width: int | None = None) -> torch.Tensor:
+    """Block tables (sequences of ids) as a zero-padded ``[num_seqs, width]`` long tensor
+    on the CPU (``width`` defaults to the longest table; longer tables are cut)."""
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    array = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
+    for row, table in enumerate(tables):
+        n = min(len(table), width)
+        array[row, :n] = table[:n]
+    return torch.from_numpy(array)
 
 
 @attrs.frozen
@@ -28,22 +56,25 @@ class AttentionInputs:
     Attributes:
         query_lens: new tokens per sequence this step (1 for a decode).
         seq_lens: context length per sequence *after* this step (cached + new tokens).
-        block_tables: the KV block ids of each sequence, in position order.
-        slot_mapping: ``[num_tokens]`` long tensor; flat KV slot
-            (``block_id * block_size + offset``) that each new token's K/V is written to.
+        block_tables: ``[num_seqs, max_blocks]`` long CPU tensor of each sequence's KV
+            block ids in position order, zero-padded (see :func:`block_table_tensor`).
+        slot_mapping: ``[num_tokens]`` long tensor; flat KV slot that each new token's K/V
+            is written to (see :func:`token_slots`).
         block_size: tokens per KV block.
         device: where the step's tensors live.
-        request_ids: the request behind each sequence, for backends that keep per-request
-            state across steps (empty when unknown, e.g. in a profiling pass).
+        rows: the scheduler row of each sequence (stable while the request is admitted).
+        state: the backend's per-engine state from ``create_state`` (None if it keeps
+            none, or in a profiling pass that must not touch it).
     """
 
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     block_size: int
     device: torch.device
-    request_ids: tuple[str, ...] = ()
+    rows: tuple[int, ...] = ()
+    state: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +95,17 @@ class AttentionBackend(Protocol):
     num_kv_heads, head_dim]``; the result is shaped like ``q``. Attention is causal within
     the new tokens of a sequence, and ``num_heads`` may be a multiple of ``num_kv_heads``
     (grouped-query attention; query head ``h`` reads KV head ``h // group``, as in HF).
+
+    Optional methods, looked up with ``getattr``:
+
+    * ``create_state(*, num_rows, num_slots, device) -> state``: per-engine state keyed by
+      scheduler row (e.g. the CPU decode mirror); the runner owns it, passes it in
+      ``AttentionInputs.state``, calls ``state.release(rows)`` for rows the scheduler
+      freed and ``state.reset()`` after a failed step. One backend instance may then serve
+      several engines.
+    * ``copy_blocks(kv_caches, copies, block_size)``: copy whole KV blocks
+      ``(src, dst)`` in every layer (copy-on-write); required only when blocks are shared
+      and then written (fork, truncate).
     """
 
     name: str

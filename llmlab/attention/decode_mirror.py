@@ -9,7 +9,7 @@ written first and stays the source of truth) and attends over a view of the buff
 pass.
 
 A row is filled from the paged cache once, when a request starts decoding (or comes back
-after preemption); it is released when the request leaves the decode batch. When many rows
+after preemption); it is released when the scheduler frees the request's row. When many rows
 have left, the remaining ones are moved down so attention does not compute over holes.
 The price is memory: the mirror duplicates the decode batch's KV.
 """
@@ -20,6 +20,8 @@ import heapq
 
 import attrs
 import torch
+
+from llmlab.attention.backend import token_slots
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,79 +71,89 @@ class MirrorPlan:
 
 @attrs.define
 class DecodeMirror:
-    """Row bookkeeping (``plan``) and the per-layer dense buffers (``attend``)."""
+    """Row bookkeeping (``plan``) and the per-layer dense buffers (``attend``).
 
-    _row_of: dict[str, int] = attrs.field(factory=dict)
-    _len_of: dict[str, int] = attrs.field(factory=dict)
-    _free_rows: list[int] = attrs.field(factory=list)  # a heap: lowest row first
-    _next_row: int = 0
+    Keyed by the scheduler's rows: a row's mirror copy lives from the first decode after
+    the row was assigned until the engine says the row was freed (:meth:`release`), so a
+    request id reused later, or a row handed to a new request, always starts fresh. The
+    mirror keeps its own dense slot per row so it can compact holes away.
+    """
+
+    # The buffers may hold at most this many rows x columns (the paged cache's token slots).
+    max_cells: int
+    _slot_of: dict[int, int] = attrs.field(factory=dict)  # scheduler row -> mirror slot
+    _len_of: dict[int, int] = attrs.field(factory=dict)  # scheduler row -> context mirrored
+    _free_slots: list[int] = attrs.field(factory=list)  # a heap: lowest slot first
+    _next_slot: int = 0
     num_compactions: int = 0  # for tests and curiosity
     num_fills: int = 0  # rows (re)filled from the paged cache
     _buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
 
+    def release(self, rows) -> None:
+        """Forget rows the scheduler freed (finished, preempted, aborted requests)."""
+        for row in rows:
+            if row in self._slot_of:
+                self._release(row)
+
     def plan(
         self,
-        request_ids: list[str],
+        rows: list[int],
         ctx_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: torch.Tensor,
         block_size: int,
         device: torch.device,
-        max_cells: int,
     ) -> MirrorPlan | None:
-        """Assign rows for this step's decode sequences (given in batch order).
+        """Assign mirror slots for this step's decode sequences (given in batch order).
 
+        ``block_tables`` holds those sequences' block tables (``[len(rows), max_blocks]``).
         Returns ``None`` (and forgets every row) when the buffer would need more than
         ``max_cells`` rows x columns: the caller then gathers from the paged cache instead.
         With ``max_cells`` = the paged cache's slots, the mirror stays within the paged
         cache's size (up to a third more while rows have holes awaiting compaction).
         """
-        if len(request_ids) * _round_columns(max(ctx_lens)) > max_cells:
+        max_cells = self.max_cells
+        if len(rows) * _round_columns(max(ctx_lens)) > max_cells:
             self.reset()
             return None
-        active = set(request_ids)
-        for rid in [r for r in self._row_of if r not in active]:
-            self._release(rid)
-        continuing = {
-            rid for rid, n in zip(request_ids, ctx_lens) if self._len_of.get(rid) == n - 1
-        }
-        for rid in [r for r in request_ids if r in self._row_of and r not in continuing]:
-            self._release(rid)
-        move_src, move_dst = self._compact(len(request_ids))
-        fresh = [i for i, rid in enumerate(request_ids) if rid not in continuing]
+        continuing = {row for row, n in zip(rows, ctx_lens) if self._len_of.get(row) == n - 1}
+        # A live row whose context did not grow by exactly one token since the last step
+        # (the step in between failed, or a request computed several tokens at once) is
+        # refilled from the paged cache, which is always right.
+        for row in [r for r in rows if r in self._slot_of and r not in continuing]:
+            self._release(row)
+        move_src, move_dst = self._compact(len(rows))
+        fresh = [i for i, row in enumerate(rows) if row not in continuing]
         for i in fresh:
-            self._row_of[request_ids[i]] = self._take_row()
+            self._slot_of[rows[i]] = self._take_slot()
         self.num_fills += len(fresh)
-        for rid, n in zip(request_ids, ctx_lens):
-            self._len_of[rid] = n
-
-        rows = [self._row_of[rid] for rid in request_ids]
-        span = max(rows) + 1
-        row_ctx = [1] * span  # holes see one (finite) column so no row is all -inf
         for row, n in zip(rows, ctx_lens):
-            row_ctx[row] = n
+            self._len_of[row] = n
+
+        slots = [self._slot_of[row] for row in rows]
+        span = max(slots) + 1
+        row_ctx = [1] * span  # holes see one (finite) column so no row is all -inf
+        for slot, n in zip(slots, ctx_lens):
+            row_ctx[slot] = n
         fresh_len = max((ctx_lens[i] for i in fresh), default=0)
         fresh_slots = None
         if fresh:
             # Paged slots of each fresh row's context, padded with its first slot.
             pos = torch.arange(fresh_len)
-            tables = torch.zeros(len(fresh), -(-fresh_len // block_size), dtype=torch.long)
-            for j, i in enumerate(fresh):
-                blocks = block_tables[i][: tables.shape[1]]
-                tables[j, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            slots = tables[:, pos // block_size] * block_size + pos % block_size
+            picked = torch.tensor(fresh, dtype=torch.long)
+            paged = token_slots(block_tables, picked[:, None], pos[None, :], block_size)
             lens = torch.tensor([ctx_lens[i] for i in fresh])
-            slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
-            fresh_slots = slots.reshape(-1).to(device)
+            paged = torch.where(pos[None, :] < lens[:, None], paged, paged[:, :1])
+            fresh_slots = paged.reshape(-1).to(device)
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.long, device=device)
 
         return MirrorPlan(
-            rows=tensor(rows),
+            rows=tensor(slots),
             new_cols=tensor([n - 1 for n in ctx_lens]),
             move_src=tensor(move_src) if move_src else None,
             move_dst=tensor(move_dst) if move_dst else None,
-            fresh_rows=tensor([rows[i] for i in fresh]) if fresh else None,
+            fresh_rows=tensor([slots[i] for i in fresh]) if fresh else None,
             fresh_slots=fresh_slots,
             fresh_len=fresh_len,
             span=span,
@@ -152,37 +164,37 @@ class DecodeMirror:
         )
 
     def reset(self) -> None:
-        """Forget all rows and free the buffers."""
-        self._row_of.clear()
+        """Forget all rows and free the buffers (also the recovery after a failed step)."""
+        self._slot_of.clear()
         self._len_of.clear()
-        self._free_rows.clear()
-        self._next_row = 0
+        self._free_slots.clear()
+        self._next_slot = 0
         self._buffers.clear()
 
-    def _release(self, rid: str) -> None:
-        heapq.heappush(self._free_rows, self._row_of.pop(rid))
-        self._len_of.pop(rid, None)
+    def _release(self, row: int) -> None:
+        heapq.heappush(self._free_slots, self._slot_of.pop(row))
+        self._len_of.pop(row, None)
 
-    def _take_row(self) -> int:
-        if self._free_rows:
-            return heapq.heappop(self._free_rows)
-        self._next_row += 1
-        return self._next_row - 1
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        self._next_slot += 1
+        return self._next_slot - 1
 
     def _compact(self, num_rows_needed: int) -> tuple[list[int], list[int]]:
-        """Move rows down when holes would make attention compute over > 1/4 waste."""
-        kept = sorted(self._row_of.items(), key=lambda item: item[1])
-        if self._next_row <= max(8, num_rows_needed * 4 // 3):
+        """Move slots down when holes would make attention compute over > 1/4 waste."""
+        if self._next_slot <= max(8, num_rows_needed * 4 // 3):
             return [], []
+        kept = sorted(self._slot_of.items(), key=lambda item: item[1])
         self.num_compactions += 1
         src, dst = [], []
-        for target, (rid, row) in enumerate(kept):
-            if row != target:
-                src.append(row)
+        for target, (row, slot) in enumerate(kept):
+            if slot != target:
+                src.append(slot)
                 dst.append(target)
-                self._row_of[rid] = target
-        self._next_row = len(kept)
-        self._free_rows = []
+                self._slot_of[row] = target
+        self._next_slot = len(kept)
+        self._free_slots = []
         return src, dst
 
     def attend(

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from llmlab.attention.backend import AttentionInputs
+from llmlab.attention.backend import AttentionInputs, token_slots
 from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan, additive_mask
 
 
@@ -64,6 +64,7 @@ class _Group:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     groups: tuple[_Group, ...]
+    mirror: DecodeMirror | None = None
     # Set when the decode group attends through the mirror instead of gathering.
     mirror_plan: MirrorPlan | None = None
 
@@ -86,14 +87,9 @@ def _build_group(
     max_q = int(q_lens.max())
     max_ctx = int(ctx_lens.max())
 
-    max_blocks = (max_ctx + bs - 1) // bs
-    table = torch.zeros(len(seq_ids), max_blocks, dtype=torch.long)
-    for row, s in enumerate(seq_ids):
-        blocks = inputs.block_tables[s][:max_blocks]
-        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-
+    table = inputs.block_tables[torch.tensor(seq_ids, dtype=torch.long)]
     key_pos = torch.arange(max_ctx)
-    key_slots = table[:, key_pos // bs] * bs + key_pos % bs
+    key_slots = token_slots(table, torch.arange(len(seq_ids))[:, None], key_pos[None, :], bs)
     key_valid = key_pos[None, :] < ctx_lens[:, None]
     # Padding keys point at the sequence's first slot, which is always written, so no
     # uninitialised memory is ever read (0 * NaN would poison the output).
@@ -149,22 +145,42 @@ class TorchPagedAttention:
     """Reference paged attention built from gather + ``scaled_dot_product_attention``.
 
     Args:
-        decode_mirror: on CPU, serve decodes from a dense per-request copy of their KV
+        decode_mirror: on CPU, serve decodes from a dense per-row copy of their KV
             (:mod:`llmlab.attention.decode_mirror`) instead of gathering the context from
-            the paged cache every layer and step. Ignored on other devices. The mirror keeps
-            per-request state, so one backend instance serves one engine.
+            the paged cache every layer and step. Ignored on other devices. The mirror is
+            per-engine state (``create_state``), so one backend instance can serve several
+            engines.
     """
 
     name: str = "torch"
     decode_mirror: bool = True
-    _mirror: DecodeMirror = attrs.field(init=False, factory=DecodeMirror)
-    # Token slots of the paged cache, learnt at the first forward; caps the mirror's size.
-    _num_slots: int | None = attrs.field(init=False, default=None)
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks * block_size, head_dim)
+
+    def create_state(
+        self, *, num_rows: int, num_slots: int, device: torch.device
+    ) -> DecodeMirror | None:
+        """The decode mirror on CPU (capped at the paged cache's ``num_slots``), else None."""
+        if not self.decode_mirror or device.type != "cpu":
+            return None
+        return DecodeMirror(max_cells=num_slots)
+
+    def copy_blocks(
+        self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]], block_size: int
+    ) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (keys and values)."""
+        if not copies:
+            return
+        offsets = torch.arange(block_size)
+        src = torch.tensor([s for s, _ in copies])[:, None] * block_size + offsets
+        dst = torch.tensor([d for _, d in copies])[:, None] * block_size + offsets
+        for cache in kv_caches:
+            src_slots = src.reshape(-1).to(cache.device)
+            dst_slots = dst.reshape(-1).to(cache.device)
+            cache.index_copy_(2, dst_slots, cache.index_select(2, src_slots))
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         query_start = [0]
@@ -173,27 +189,21 @@ class TorchPagedAttention:
         decodes = [i for i, n in enumerate(inputs.query_lens) if n == 1]
         prefills = [i for i, n in enumerate(inputs.query_lens) if n > 1]
         plan = None
-        use_mirror = (
-            self.decode_mirror
-            and inputs.device.type == "cpu"
-            and inputs.request_ids
-            and self._num_slots is not None
-        )
-        if use_mirror and decodes:
-            plan = self._mirror.plan(
-                [inputs.request_ids[i] for i in decodes],
+        mirror = inputs.state if isinstance(inputs.state, DecodeMirror) else None
+        if mirror is not None and decodes and inputs.device.type == "cpu":
+            plan = mirror.plan(
+                [inputs.rows[i] for i in decodes],
                 [inputs.seq_lens[i] for i in decodes],
-                [inputs.block_tables[i] for i in decodes],
+                inputs.block_tables[torch.tensor(decodes, dtype=torch.long)],
                 inputs.block_size,
                 inputs.device,
-                max_cells=self._num_slots,
             )
         groups = []
         if decodes:
             groups.append(_build_group(decodes, inputs, query_start, True, plan is None))
         for bucket in _length_buckets(prefills, inputs.query_lens, inputs.seq_lens):
             groups.append(_build_group(bucket, inputs, query_start, False))
-        return TorchAttentionMetadata(inputs.slot_mapping, tuple(groups), plan)
+        return TorchAttentionMetadata(inputs.slot_mapping, tuple(groups), mirror, plan)
 
     def forward(
         self,
@@ -208,7 +218,6 @@ class TorchPagedAttention:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [Hkv, slots, D]
-        self._num_slots = key_cache.shape[1]
         key_cache.index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
         value_cache.index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
 
@@ -220,7 +229,7 @@ class TorchPagedAttention:
             if group.is_decode and metadata.mirror_plan is not None:
                 batch = group.query_index.shape[0]
                 tokens = group.query_index[:, 0]
-                attended = self._mirror.attend(
+                attended = metadata.mirror.attend(
                     layer_idx,
                     metadata.mirror_plan,
                     q[tokens].view(batch, num_kv_heads, group_size, head_dim),

@@ -1,6 +1,6 @@
 """KV cache: block pool, prefix index, eviction policies, and per-request accounting."""
 
-from llmlab.cache.block_pool import Block, BlockPool
+from llmlab.cache.block_pool import BlockPool
 from llmlab.cache.eviction import (
     EVICTION_POLICIES,
     EvictionPolicy,
@@ -13,7 +13,6 @@ from llmlab.cache.prefix_index import PrefixIndex, chain_hash
 
 __all__ = [
     "EVICTION_POLICIES",
-    "Block",
     "BlockEvents",
     "BlockPool",
     "CacheSnapshot",

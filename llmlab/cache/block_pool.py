@@ -1,117 +1,429 @@
-"""Physical KV blocks: ids, reference counts, and the pool that hands them out.
+"""Physical KV blocks: reference counts, cached flags, and the pool that hands them out.
 
 A block is in exactly one of three states:
 
-* **in use** (``ref_count > 0``): held by one or more running requests;
-* **cached** (``ref_count == 0`` with a hash): free, but its KV is still valid and findable
-  through the prefix index; the eviction policy decides which of these is reclaimed first;
-* **empty** (``ref_count == 0``, no hash): on the plain free list, reused first.
+* **in use** (``ref_count > 0``): held by one or more requests, cached or not;
+* **cached free** (``ref_count == 0``, cached): its KV is still valid and findable through the
+  prefix index; it is an eviction *candidate*, and the policy decides which goes first;
+* **empty** (``ref_count == 0``, not cached): handed out before any cached block.
 
-The pool owns the mechanism (counting, moving blocks between states); the
-:class:`~llmlab.cache.eviction.EvictionPolicy` only chooses among cached blocks.
+There is no Python object per block: state is two numpy arrays indexed by block id, and the
+empty blocks are a high-water mark (ids never handed out) plus a deque of returned ids, so a
+pool of 10^7 blocks builds in milliseconds and every operation costs O(1) per block (plus
+the policy's own O(1) or O(log n)). Operations take batches of distinct block ids: small
+batches are walked in Python through memoryviews of the arrays, large ones in numpy.
+
+The pool owns the mechanism; the :class:`~llmlab.cache.eviction.EvictionPolicy` only orders
+the candidates. The policy is user code, so every call into it is guarded: a policy method
+that raises is assumed to have changed nothing, and the pool makes its own state match that
+assumption before raising :class:`~llmlab.errors.ComponentError`. Assigning a new policy
+(``pool.eviction = LRUEviction()``) hands it every current candidate, which restores
+agreement whatever a failed policy did.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
+import numpy as np
 
 from llmlab.cache.eviction import EvictionPolicy
+from llmlab.errors import ComponentError
+
+_KIND = "eviction policy"
+# Below this many ids a Python loop over memoryviews beats numpy's fixed cost per call
+# (~1 us each); above it, one vectorized call per step wins. Typical batches (a request's
+# blocks) are small; a long prefill or a pool-wide fill is large.
+VECTOR_MIN_IDS = 64
 
 
-@attrs.define(eq=False)
-class Block:
-    """One KV block. ``token_ids`` are kept with the hash to verify prefix hits."""
-
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+def _at_least_one(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
-@attrs.define
+# No attrs hooks on assignment: counters change on every call, and a hook would put a
+# Python-level __setattr__ in the hot path. ``num_blocks`` is fixed after construction.
+@attrs.define(on_setattr=attrs.setters.NO_OP)
 class BlockPool:
-    """Fixed set of ``num_blocks`` blocks with reference counting and a free list.
+    """``num_blocks`` KV blocks with reference counts, cached flags and a free list.
 
-    Prefix-cache bookkeeping (which hash maps to which block) lives in
-    :class:`~llmlab.cache.prefix_index.PrefixIndex`; the pool calls ``on_evict`` so the
-    index can forget a block the moment its contents are overwritten.
+    Prefix-cache bookkeeping (which hash names which block) lives in
+    :class:`~llmlab.cache.prefix_index.PrefixIndex`; the pool calls ``on_drop(block_ids)``
+    whenever blocks lose their cached content (eviction, ``drop_cached``, or a failed
+    policy call) so the index forgets them at once.
     """
 
-    num_blocks: int
-    eviction: EvictionPolicy
-    blocks: list[Block] = attrs.field(init=False)
-    _empty: deque[int] = attrs.field(init=False)
+    num_blocks: int = attrs.field(validator=_at_least_one)
+    _eviction: EvictionPolicy = attrs.field(alias="eviction")
+    on_drop: Callable[[list[int]], None] | None = None
+    ref_counts: np.ndarray = attrs.field(init=False, repr=False)
+    cached: np.ndarray = attrs.field(init=False, repr=False)
+    # The same memory as ``ref_counts`` and ``cached``: reading or writing one element
+    # through a memoryview costs a fraction of numpy's scalar indexing.
+    _refs: memoryview = attrs.field(init=False, repr=False)
+    _cached_flags: memoryview = attrs.field(init=False, repr=False)
+    # Ids at or above this were never handed out: empty without being listed anywhere.
+    _next_unused: int = attrs.field(init=False, default=0)
+    _returned_empty: deque[int] = attrs.field(init=False, factory=deque, repr=False)
     _num_cached_free: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        if self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self._empty = deque(range(self.num_blocks))
+        # np.zeros maps zeroed pages lazily: building costs nothing per block.
+        self.ref_counts = np.zeros(self.num_blocks, np.int32)
+        self.cached = np.zeros(self.num_blocks, np.bool_)
+        self._refs = memoryview(self.ref_counts)
+        self._cached_flags = memoryview(self.cached)
+
+    # -- the policy ----------------------------------------------------------------------
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self._eviction
+
+    @eviction.setter
+    def eviction(self, policy: EvictionPolicy) -> None:
+        """Swap the policy; the new one learns every current candidate (in block id order)."""
+        self._eviction = policy
+        candidates = self.cached_free_block_ids()
+        if candidates:
+            try:
+                policy.on_free(candidates)
+            except Exception as err:
+                self._drop_to_empty(candidates)
+                raise ComponentError.wrap(_KIND, policy, "on_free", err) from err
+
+    # -- queries -------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: empty ones plus evictable cached ones."""
-        return len(self._empty) + self._num_cached_free
+        return self.num_empty_blocks + self._num_cached_free
 
     @property
     def num_cached_free_blocks(self) -> int:
         return self._num_cached_free
 
-    def allocate(self, n: int) -> tuple[list[Block], list[Block]]:
-        """Take ``n`` blocks (ref count 1). Returns ``(blocks, evicted)``.
+    @property
+    def num_empty_blocks(self) -> int:
+        return self.num_blocks - self._next_unused + len(self._returned_empty)
 
-        Empty blocks go first; only then are cached blocks evicted, in the policy's order.
-        ``evicted`` lists the blocks whose cached contents were dropped (their hash is still
-        set so the caller can remove it from the index, then :meth:`clear_hash`).
-        The caller must check :attr:`num_free_blocks` first; asking for more raises.
+    def num_idle(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks no request holds (ref count 0)."""
+        refs = self._refs
+        return sum(1 for block_id in block_ids if refs[block_id] == 0)
+
+    def cached_free_block_ids(self) -> list[int]:
+        """Ids of the eviction candidates (O(num_blocks); for swaps and checks)."""
+        return np.flatnonzero(self.cached & (self.ref_counts == 0)).tolist()
+
+    # -- operations ----------------------------------------------------------------------
+
+    def allocate(self, n: int) -> tuple[list[int], list[int]]:
+        """Take ``n`` blocks at ref count 1. Returns ``(block_ids, evicted_block_ids)``.
+
+        Empty blocks go first; only then are candidates evicted, in the policy's order, and
+        ``on_drop`` is told. The caller checks :attr:`num_free_blocks` first; asking for more
+        is a bug (``RuntimeError``). If the policy fails, raises ``ComponentError`` with no
+        block taken (see :meth:`_evict`).
         """
-        if n > self.num_free_blocks:
+        if not 0 <= n <= self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free_blocks} free")
-        taken: list[Block] = []
-        evicted: list[Block] = []
-        for _ in range(n):
-            if self._empty:
-                block = self.blocks[self._empty.popleft()]
-            else:
-                block = self.eviction.evict()
-                self._num_cached_free -= 1
-                evicted.append(block)
-            block.ref_count = 1
-            taken.append(block)
-        return taken, evicted
+        num_evicted = max(0, n - self.num_empty_blocks)
+        # Evict first: it is the step that can fail, and nothing is taken yet if it does.
+        evicted = self._evict(num_evicted) if num_evicted else []
+        block_ids = self._take_empty(n - num_evicted)
+        block_ids += evicted
+        if evicted:
+            self._set_flags(self.cached, self._cached_flags, evicted, False)
+            self._num_cached_free -= len(evicted)
+        if n < VECTOR_MIN_IDS:
+            refs = self._refs
+            for block_id in block_ids:
+                refs[block_id] = 1
+        else:
+            self.ref_counts[block_ids] = 1
+        if evicted and self.on_drop is not None:
+            self.on_drop(evicted)
+        return block_ids, evicted
 
-    def touch(self, block: Block) -> None:
-        """Take one more reference on a block found through the prefix index."""
-        if block.ref_count == 0:
-            # Reviving a cached free block: it stops being an eviction candidate.
-            self._num_cached_free -= 1
-        self.eviction.on_hit(block)
-        block.ref_count += 1
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block found through the prefix index.
 
-    def release(self, blocks: list[Block]) -> list[Block]:
-        """Drop one reference from each block; returns the blocks that became free.
-
-        Blocks are released in the order given; callers pass a request's blocks tail first
-        so that, among blocks freed together, the end of a chain is evicted before its
-        prefix (a prefix is shared by more future requests than its continuation).
+        The policy hears of the hit first; if it raises, nothing changed here.
         """
-        freed = []
-        for block in blocks:
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block.block_id} released with ref_count 0")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                freed.append(block)
-                if block.block_hash is None:
-                    self._empty.append(block.block_id)
-                else:
-                    self._num_cached_free += 1
-                    self.eviction.on_free(block)
+        ids = self._checked_ids(block_ids)
+        if ids is None:
+            refs, cached = self._refs, self._cached_flags
+            for block_id in block_ids:
+                if refs[block_id] == 0 and not cached[block_id]:
+                    raise RuntimeError(f"block {block_id} touched while empty (not cached)")
+        else:
+            empty = (self.ref_counts[ids] == 0) & ~self.cached[ids]
+            if empty.any():
+                raise RuntimeError(f"block {ids[empty][0]} touched while empty (not cached)")
+        try:
+            self._eviction.on_hit(list(block_ids))
+        except Exception as err:
+            raise ComponentError.wrap(_KIND, self._eviction, "on_hit", err) from err
+        self._num_cached_free -= self._add_refs(block_ids, ids, 1)
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on blocks already in use (a fork); no policy involved."""
+        ids = self._checked_ids(block_ids)
+        self._require_in_use(block_ids, ids, "shared")
+        self._add_refs(block_ids, ids, 1)
+
+    def release(self, block_ids: Sequence[int]) -> list[int]:
+        """Drop one reference from each block; returns the ids that became free, in order.
+
+        Callers pass a request's blocks tail first so that, among blocks freed together, the
+        policy sees the end of a chain before its prefix. Freed cached blocks become
+        candidates through one ``on_free`` call; if it raises, they are freed as empty
+        instead (uncached, ``on_drop`` told) and ``ComponentError`` is raised.
+        """
+        ids = self._checked_ids(block_ids)
+        self._require_in_use(block_ids, ids, "released")
+        self._add_refs(block_ids, ids, -1)
+        if ids is None:
+            refs, cached = self._refs, self._cached_flags
+            freed = [block_id for block_id in block_ids if refs[block_id] == 0]
+            candidates = [block_id for block_id in freed if cached[block_id]]
+            if len(candidates) < len(freed):
+                self._returned_empty.extend(b for b in freed if not cached[b])
+        else:
+            freed_ids = ids[self.ref_counts[ids] == 0]
+            freed_cached = self.cached[freed_ids]
+            self._returned_empty.extend(freed_ids[~freed_cached].tolist())
+            candidates = freed_ids[freed_cached].tolist()
+            freed = freed_ids.tolist()
+        if candidates:
+            self._num_cached_free += len(candidates)
+            try:
+                self._eviction.on_free(candidates)
+            except Exception as err:
+                self._drop_to_empty(candidates)
+                raise ComponentError.wrap(_KIND, self._eviction, "on_free", err) from err
         return freed
 
-    def clear_hash(self, block: Block) -> None:
-        block.block_hash = None
-        block.token_ids = None
+    def mark_cached(self, block_ids: Sequence[int]) -> None:
+        """Flag in-use blocks as holding indexed content (they become candidates once freed)."""
+        ids = self._checked_ids(block_ids)
+        self._require_in_use(block_ids, ids, "marked cached")
+        if self._num_flagged(block_ids, ids) != 0:
+            raise RuntimeError(f"a block among {_shown(block_ids)} is cached already")
+        self._set_flags(self.cached, self._cached_flags, block_ids, True)
+
+    def drop_cached(self, block_ids: Sequence[int]) -> None:
+        """Forget the cached content of in-use blocks (they will be overwritten).
+
+        Only blocks in use: a candidate's place is the policy's, which has no call to remove
+        one without a hit.
+        """
+        ids = self._checked_ids(block_ids)
+        self._require_in_use(block_ids, ids, "dropped from the cache")
+        if self._num_flagged(block_ids, ids) != len(block_ids):
+            raise RuntimeError(f"a block among {_shown(block_ids)} is not cached")
+        self._set_flags(self.cached, self._cached_flags, block_ids, False)
+        if self.on_drop is not None:
+            self.on_drop(list(block_ids))
+
+    # -- invariants ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (O(num_blocks))."""
+        refs, cached = self.ref_counts, self.cached
+        if (refs < 0).any():
+            raise AssertionError(f"negative ref counts at blocks {np.flatnonzero(refs < 0)[:8]}")
+        unused = slice(self._next_unused, None)
+        if refs[unused].any() or cached[unused].any():
+            raise AssertionError(f"a block at or above next_unused={self._next_unused} is used")
+        returned = list(self._returned_empty)
+        if len(set(returned)) != len(returned):
+            raise AssertionError("the returned-empty list holds a block twice")
+        if returned:
+            ids = np.asarray(returned)
+            if ids.min() < 0 or ids.max() >= self._next_unused:
+                raise AssertionError(f"returned-empty ids outside [0, {self._next_unused})")
+            if refs[ids].any() or cached[ids].any():
+                raise AssertionError("a block on the returned-empty list is in use or cached")
+        idle = refs == 0
+        num_empty = int(np.count_nonzero(idle & ~cached))
+        if num_empty != self.num_empty_blocks:
+            raise AssertionError(f"{num_empty} empty blocks, counted {self.num_empty_blocks}")
+        num_cached_free = int(np.count_nonzero(idle & cached))
+        if num_cached_free != self._num_cached_free:
+            raise AssertionError(
+                f"{num_cached_free} cached free blocks, counted {self._num_cached_free}"
+            )
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _checked_ids(self, block_ids: Sequence[int]) -> np.ndarray | None:
+        """Check that ``block_ids`` are distinct and in range (``ValueError`` if not).
+
+        Returns them as an array for the vectorized path, or None for a small batch, which
+        the callers walk in Python.
+        """
+        n = len(block_ids)
+        if n == 0:
+            return None
+        if n < VECTOR_MIN_IDS:
+            ids = None
+            lowest, highest, num_distinct = min(block_ids), max(block_ids), len(set(block_ids))
+        else:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            lowest, highest, num_distinct = ids.min(), ids.max(), _num_distinct(ids)
+        if lowest < 0 or highest >= self.num_blocks:
+            raise ValueError(
+                f"block ids must lie in [0, {self.num_blocks}), got {_shown(block_ids)}"
+            )
+        if num_distinct != n:
+            raise ValueError(f"block ids must be distinct, got {_shown(block_ids)}")
+        return ids
+
+    def _require_in_use(self, block_ids: Sequence[int], ids: np.ndarray | None, verb: str) -> None:
+        if ids is None:
+            refs = self._refs
+            for block_id in block_ids:
+                if refs[block_id] <= 0:
+                    raise RuntimeError(f"block {block_id} {verb} with ref count 0")
+        elif (self.ref_counts[ids] <= 0).any():
+            bad = ids[self.ref_counts[ids] <= 0][0]
+            raise RuntimeError(f"block {bad} {verb} with ref count 0")
+
+    def _add_refs(self, block_ids: Sequence[int], ids: np.ndarray | None, delta: int) -> int:
+        """Add ``delta`` to each ref count; returns how many were 0 before."""
+        if ids is None:
+            refs = self._refs
+            num_were_idle = 0
+            for block_id in block_ids:
+                count = refs[block_id]
+                num_were_idle += count == 0
+                refs[block_id] = count + delta
+            return num_were_idle
+        counts = self.ref_counts[ids]
+        self.ref_counts[ids] = counts + delta
+        return int(np.count_nonzero(counts == 0))
+
+    def _num_flagged(self, block_ids: Sequence[int], ids: np.ndarray | None) -> int:
+        """How many of these blocks are cached."""
+        if ids is None:
+            cached = self._cached_flags
+            return sum(1 for block_id in block_ids if cached[block_id])
+        return int(np.count_nonzero(self.cached[ids]))
+
+    @staticmethod
+    def _set_flags(
+        flags: np.ndarray, flag_view: memoryview, block_ids: Sequence[int], value: bool
+    ) -> None:
+        if len(block_ids) < VECTOR_MIN_IDS:
+            for block_id in block_ids:
+                flag_view[block_id] = value
+        else:
+            flags[block_ids] = value
+
+    def _take_empty(self, n: int) -> list[int]:
+        """``n`` empty ids: never-used ones first (as a fresh pool would), then returned ones."""
+        num_unused = min(n, self.num_blocks - self._next_unused)
+        block_ids = list(range(self._next_unused, self._next_unused + num_unused))
+        self._next_unused += num_unused
+        popleft = self._returned_empty.popleft
+        block_ids.extend(popleft() for _ in range(n - num_unused))
+        return block_ids
+
+    def _drop_to_empty(self, candidates: list[int]) -> None:
+        """Turn cached free blocks into empty ones (the policy does not track them)."""
+        self._set_flags(self.cached, self._cached_flags, candidates, False)
+        self._num_cached_free -= len(candidates)
+        self._returned_empty.extend(candidates)
+        if self.on_drop is not None:
+            self.on_drop(candidates)
+
+    def _evict(self, n: int) -> list[int]:
+        """``n`` candidates from the policy, checked; ``ComponentError`` if it fails.
+
+        On a bad answer, the valid candidates it did return (which it no longer tracks) are
+        dropped to empty, so pool and policy still agree on the candidates.
+        """
+        policy = self._eviction
+        try:
+            answer = list(policy.evict(n))
+        except Exception as err:
+            raise ComponentError.wrap(_KIND, policy, "evict", err) from err
+        if n >= VECTOR_MIN_IDS and self._is_valid_eviction_vectorized(answer, n):
+            return [int(block_id) for block_id in answer]
+        problem, valid = self._check_eviction(answer, n)
+        if problem is None:
+            return valid
+        if valid:
+            self._drop_to_empty(valid)
+        raise ComponentError(
+            _KIND,
+            policy,
+            "evict",
+            f"evict({n}) must return {n} distinct ids of cached free blocks, got "
+            f"{_shown(answer)}: {problem}",
+        )
+
+    def _is_valid_eviction_vectorized(self, answer: list, n: int) -> bool:
+        try:
+            ids = np.asarray(answer)
+        except (TypeError, ValueError):
+            return False
+        return bool(
+            len(answer) == n
+            and ids.dtype.kind in "iu"
+            and ids.ndim == 1
+            and ids.min() >= 0
+            and ids.max() < self.num_blocks
+            and _num_distinct(ids) == n
+            and self.cached[ids].all()
+            and not self.ref_counts[ids].any()
+        )
+
+    def _check_eviction(self, answer: list, n: int) -> tuple[str | None, list[int]]:
+        """``(problem or None, valid candidates in answer)`` for an answer to ``evict(n)``."""
+        problems: list[str] = []
+        valid: list[int] = []
+        seen: set[int] = set()
+        refs, cached = self._refs, self._cached_flags
+        for item in answer:
+            if isinstance(item, bool | np.bool_):
+                problems.append(f"{item!r} is not a block id")
+                continue
+            try:
+                block_id = operator.index(item)
+            except TypeError:
+                problems.append(f"{item!r} is not a block id")
+                continue
+            if not 0 <= block_id < self.num_blocks:
+                problems.append(f"block {block_id} is outside [0, {self.num_blocks})")
+            elif block_id in seen:
+                problems.append(f"block {block_id} appears twice")
+            elif refs[block_id] > 0:
+                problems.append(f"block {block_id} is in use (ref count {refs[block_id]})")
+            elif not cached[block_id]:
+                problems.append(f"block {block_id} is not cached")
+            else:
+                valid.append(block_id)
+            seen.add(block_id)
+        if len(answer) != n:
+            problems.insert(0, f"{len(answer)} ids instead of {n}")
+        return (problems[0] if problems else None), valid
+
+
+def _num_distinct(ids: np.ndarray) -> int:
+    """Distinct values in ``ids``; sorting beats ``np.unique``'s hash table on large ids."""
+    ordered = np.sort(ids)
+    return int(np.count_nonzero(ordered[1:] != ordered[:-1])) + (ordered.size > 0)
+
+
+def _shown(block_ids: Iterable) -> list:
+    """At most 8 ids, for messages about batches that may hold millions."""
+    shown = list(itertools.islice(block_ids, 9))
+    return shown if len(shown) <= 8 else [*shown[:8], "..."]

@@ -2,28 +2,48 @@
 
 The scheduler talks only to this class: find a request's cached prefix, reserve blocks for
 the tokens it will compute this step (all or nothing), register blocks once their KV is
-computed, and give everything back when the request finishes, is aborted or is preempted.
+computed, give everything back when the request finishes, is aborted or is preempted, cut a
+request back (``truncate``) or share its blocks with a new one (``fork``, copy-on-write).
 Each call records what happened to which block; the engine drains that record into the
-step's :class:`~llmlab.engine.events.StepEvent`.
+step's :class:`~llmlab.engine.events.StepEvent`, and takes the pending block copies for the
+executor to apply before the next forward pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 
-from llmlab.cache.block_pool import Block, BlockPool
+from llmlab.cache.block_pool import BlockPool
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.prefix_index import PrefixIndex, extend_block_hashes
+from llmlab.errors import ComponentError
 
 if TYPE_CHECKING:
     from llmlab.request import Request
 
 
+def _at_least_one(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _read_only_copy(array: np.ndarray) -> np.ndarray:
+    copy = array.copy()
+    copy.flags.writeable = False
+    return copy
+
+
 @attrs.frozen
 class BlockEvents:
-    """Block ids touched since the last drain, in the order it happened."""
+    """Block ids touched since the last drain, in the order it happened.
+
+    ``evicted`` lists every block whose cached content was dropped from the prefix index:
+    reclaimed for reuse, cut by :meth:`KVCacheManager.truncate`, or after a failed policy.
+    """
 
     allocated: tuple[int, ...] = ()
     freed: tuple[int, ...] = ()
@@ -33,42 +53,57 @@ class BlockEvents:
 
 @attrs.frozen
 class CacheSnapshot:
-    """Immutable picture of every block, for views and tests."""
+    """Immutable picture of every block, for views and tests (compares with ``==``)."""
 
-    ref_counts: tuple[int, ...]
-    cached: tuple[bool, ...]
+    ref_counts: np.ndarray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
+    cached: np.ndarray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
     block_tables: dict[str, tuple[int, ...]]
     num_free_blocks: int
 
 
-@attrs.define
+# No attrs hooks on assignment (they would sit in the hot path); sizes are fixed once built.
+@attrs.define(on_setattr=attrs.setters.NO_OP)
 class KVCacheManager:
-    """Paged KV accounting with automatic prefix caching.
+    """Paged KV accounting with automatic prefix caching and copy-on-write sharing.
 
     Args:
         num_blocks: physical blocks in the KV tensors.
         block_size: tokens per block.
         enable_prefix_caching: index full blocks by content and reuse them across requests.
-        eviction: chooses which cached free block is reclaimed first (default LRU).
+        eviction: chooses which cached free blocks are reclaimed first (default LRU). It can
+            be swapped later (``kv.eviction = FIFOEviction()``); the new one learns every
+            current candidate.
     """
 
-    num_blocks: int
-    block_size: int
+    num_blocks: int = attrs.field(validator=_at_least_one)
+    block_size: int = attrs.field(validator=_at_least_one)
     enable_prefix_caching: bool = True
-    eviction: EvictionPolicy = attrs.field(factory=LRUEviction)
-    pool: BlockPool = attrs.field(init=False)
-    index: PrefixIndex = attrs.field(init=False, factory=PrefixIndex)
-    _blocks_of: dict[str, list[Block]] = attrs.field(init=False, factory=dict)
-    _num_indexed: dict[str, int] = attrs.field(init=False, factory=dict)
-    _log: dict[str, list[int]] = attrs.field(init=False)
+    # Only the pool's reference is live (see the ``eviction`` property).
+    _initial_eviction: EvictionPolicy = attrs.field(
+        factory=LRUEviction, alias="eviction", repr=False
+    )
+    pool: BlockPool = attrs.field(init=False, repr=False)
+    index: PrefixIndex = attrs.field(init=False, factory=PrefixIndex, repr=False)
+    _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict, repr=False)
+    # Leading blocks of each request already offered to the index.
+    _num_indexed: dict[str, int] = attrs.field(init=False, factory=dict, repr=False)
+    _pending_copies: list[tuple[int, int]] = attrs.field(init=False, factory=list, repr=False)
+    _log: dict[str, list[int]] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        self.pool = BlockPool(self.num_blocks, self.eviction)
+        self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
         self._log = {"allocated": [], "freed": [], "prefix_hits": [], "evicted": []}
 
-    # -- queries -----------------------------------------------------------------------
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self.pool.eviction
+
+    @eviction.setter
+    def eviction(self, policy: EvictionPolicy) -> None:
+        self._initial_eviction = policy
+        self.pool.eviction = policy
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,15 +115,15 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks_of.get(request_id, ())]
+        return list(self._tables.get(request_id, ()))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- prefix lookup -----------------------------------------------------------------
+    # -- prefix lookup -------------------------------------------------------------------
 
-    def lookup_prefix(self, request: Request) -> list[Block]:
-        """Longest run of cached full blocks matching the start of the request's tokens.
+    def lookup_prefix(self, request: Request) -> list[int]:
+        """Ids of the longest run of cached full blocks matching the request's first tokens.
 
         The last token is never covered: the model must compute at least one position to
         produce the next token's logits.
@@ -96,52 +131,75 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        extend_block_hashes(request.block_hashes, tokens, self.block_size)
-        max_blocks = (len(tokens) - 1) // self.block_size
-        hits: list[Block] = []
         bs = self.block_size
+        extend_block_hashes(request.block_hashes, tokens, bs)
+        max_blocks = (len(tokens) - 1) // bs
+        hits: list[int] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.index.get(block_hash, tuple(tokens[i * bs : (i + 1) * bs]))
-            if block is None:
+            block_id = self.index.get(block_hash, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block_id is None:
                 break
-            hits.append(block)
+            hits.append(block_id)
         return hits
 
-    # -- allocation --------------------------------------------------------------------
+    # -- allocation ----------------------------------------------------------------------
 
     def allocate(
-        self, request: Request, num_new_tokens: int, prefix_blocks: list[Block] = ()
+        self, request: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
     ) -> bool:
         """Reserve blocks so ``num_new_tokens`` more tokens of ``request`` can be stored.
 
         ``prefix_blocks`` (from :meth:`lookup_prefix`, for a request being admitted) are
-        shared, not copied. All or nothing: on ``False`` no state changed.
+        shared, not copied. A shared block the new tokens would write into is replaced by a
+        fresh one first (copy-on-write; the copy waits in :meth:`take_block_copies`), and an
+        indexed block of its own that they would overwrite leaves the prefix index. All or
+        nothing: on ``False`` nothing changed, and on ``ComponentError`` (the eviction policy
+        failed) the request holds nothing new and the pool is consistent.
         """
-        held = self._blocks_of.get(request.request_id, [])
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        prefix = list(prefix_blocks)
+        if prefix and table:
+            raise ValueError(
+                f"prefix_blocks are for admitting a request, but {rid!r} already holds "
+                f"{len(table)} blocks"
+            )
         # ``num_computed_tokens`` does not yet include the prefix hit (the scheduler
         # advances it only once the allocation succeeded).
-        hit_tokens = len(prefix_blocks) * self.block_size
-        total_tokens = request.num_computed_tokens + hit_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total_tokens) - len(held) - len(prefix_blocks)
-        # Hit blocks that are currently free would be revived, not taken from the free pool,
-        # so they cannot also count as capacity for the new blocks.
-        revived = sum(1 for b in prefix_blocks if b.ref_count == 0)
-        if num_new_blocks > self.pool.num_free_blocks - revived:
+        write_start = request.num_computed_tokens + len(prefix) * self.block_size
+        write_end = write_start + num_new_tokens
+        num_fresh = max(0, self.blocks_needed(write_end) - len(table) - len(prefix))
+        to_copy, to_uncache = self._blocks_written_in_place(table, write_start, write_end)
+        # Hit blocks that are free now would be revived, not taken from the free pool, so
+        # they cannot also count as room for the new blocks.
+        revived = self.pool.num_idle(prefix)
+        num_wanted = num_fresh + len(to_copy)
+        if num_wanted > self.pool.num_free_blocks - revived:
             return False
-        if prefix_blocks:
-            for block in prefix_blocks:
-                self.pool.touch(block)
-            self._log["prefix_hits"].extend(b.block_id for b in prefix_blocks)
-            self._num_indexed[request.request_id] = len(prefix_blocks)
-        new_blocks: list[Block] = []
-        if num_new_blocks > 0:
-            new_blocks, evicted = self.pool.allocate(num_new_blocks)
-            for block in evicted:
-                self.index.remove(block)
-                self.pool.clear_hash(block)
-            self._log["evicted"].extend(b.block_id for b in evicted)
-            self._log["allocated"].extend(b.block_id for b in new_blocks)
-        self._blocks_of[request.request_id] = held + list(prefix_blocks) + new_blocks
+        if prefix:
+            self.pool.touch(prefix)  # the policy's on_hit goes first: it may raise
+        try:
+            new_ids = self.pool.allocate(num_wanted)[0] if num_wanted else []
+        except ComponentError:
+            if prefix:
+                self._release_quietly(prefix[::-1])
+            raise
+        if prefix:
+            table = prefix
+            self._log["prefix_hits"].extend(prefix)
+            self._num_indexed[rid] = len(prefix)
+        if to_copy:
+            self._copy_on_write(table, to_copy, new_ids[: len(to_copy)], write_start)
+        if to_uncache:
+            # Our own indexed blocks are about to be overwritten: the index must forget them.
+            self.pool.drop_cached([table[i] for i in to_uncache])
+        if to_copy or to_uncache:
+            first = min(to_copy + to_uncache)
+            self._num_indexed[rid] = min(self._num_indexed.get(rid, 0), first)
+        table.extend(new_ids[len(to_copy) :])
+        if table:
+            self._tables[rid] = table
+        self._log["allocated"].extend(new_ids)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -149,35 +207,101 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        blocks = self._blocks_of.get(rid)
-        if not blocks:
+        table = self._tables.get(rid)
+        if not table:
             return
         bs = self.block_size
-        num_full = request.num_computed_tokens // bs
+        num_full = min(request.num_computed_tokens // bs, len(table))
         start = self._num_indexed.get(rid, 0)
         if num_full <= start:
             return
         tokens = request.all_token_ids
-        extend_block_hashes(request.block_hashes, tokens[: num_full * bs], bs)
+        if len(request.block_hashes) < num_full:
+            extend_block_hashes(request.block_hashes, tokens[: num_full * bs], bs)
+        cached = self.pool.cached
+        newly_cached = []
         for i in range(start, num_full):
-            block = blocks[i]
+            block_id = table[i]
             block_hash = request.block_hashes[i]
             # Two requests may compute the same content at once; the first one indexed
             # wins and the duplicate stays private (it goes back to the empty list on free).
-            if block.block_hash is None and not self.index.contains(block_hash):
-                self.index.insert(block, block_hash, tuple(tokens[i * bs : (i + 1) * bs]))
+            if not cached[block_id] and not self.index.contains(block_hash):
+                self.index.insert(block_id, block_hash, tuple(tokens[i * bs : (i + 1) * bs]))
+                newly_cached.append(block_id)
+        if newly_cached:
+            self.pool.mark_cached(newly_cached)
         self._num_indexed[rid] = num_full
 
     def free(self, request: Request) -> None:
-        """Release every block the request holds (finish, abort or preemption)."""
-        blocks = self._blocks_of.pop(request.request_id, None)
-        self._num_indexed.pop(request.request_id, None)
-        if not blocks:
-            return
-        freed = self.pool.release(list(reversed(blocks)))
-        self._log["freed"].extend(b.block_id for b in freed)
+        """Release every block the request holds (finish, abort or preemption), tail first.
 
-    # -- observation -------------------------------------------------------------------
+        The request's table goes first, so even when the policy fails (``ComponentError``
+        after the pool is consistent) the request holds nothing.
+        """
+        table = self._tables.pop(request.request_id, None)
+        self._num_indexed.pop(request.request_id, None)
+        if table:
+            self._release(table[::-1])
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks covering the first ``num_tokens`` tokens; release the rest.
+
+        Trims ``request.block_hashes`` to the full blocks left. A new last block that is now
+        partial will be overwritten past ``num_tokens``: if only this request holds it, it
+        leaves the prefix index; if it is shared, the next :meth:`allocate` copies it first.
+        The caller sets ``request.num_computed_tokens``.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        del request.block_hashes[num_full:]
+        table = self._tables.get(rid)
+        if not table:
+            return
+        if rid in self._num_indexed:
+            self._num_indexed[rid] = min(self._num_indexed[rid], num_full)
+        num_kept = self.blocks_needed(num_tokens)
+        if num_tokens % self.block_size and num_kept <= len(table):
+            last = table[num_kept - 1]
+            if self.pool.cached[last] and self.pool.ref_counts[last] == 1:
+                self.pool.drop_cached([last])
+        released = table[num_kept:]
+        del table[num_kept:]
+        if not table:
+            del self._tables[rid]
+            self._num_indexed.pop(rid, None)
+        if released:
+            self._release(released[::-1])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` (a new request with the parent's tokens so far) share its blocks.
+
+        Every block gains a reference; the partly filled last one stays shared until either
+        request writes into it (copy-on-write in :meth:`allocate`). The caller sets the
+        child's ``num_computed_tokens``.
+        """
+        parent_table = self._tables.get(parent.request_id)
+        if not parent_table:
+            raise ValueError(f"parent {parent.request_id!r} holds no blocks to share")
+        if child.request_id == parent.request_id or self._tables.get(child.request_id):
+            raise ValueError(f"child {child.request_id!r} already holds blocks")
+        self.pool.share(parent_table)
+        self._tables[child.request_id] = list(parent_table)
+        if parent.request_id in self._num_indexed:
+            self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
+        child.block_hashes = list(parent.block_hashes)
+
+    # -- observation ---------------------------------------------------------------------
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies ``(src_block, dst_block)`` since the last call.
+
+        The executor applies them to the KV tensors, in this order (a copy may read a block
+        an earlier one wrote), before the next forward pass.
+        """
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def drain_events(self) -> BlockEvents:
         events = BlockEvents(**{k: tuple(v) for k, v in self._log.items()})
@@ -186,10 +310,99 @@ class KVCacheManager:
         return events
 
     def snapshot(self) -> CacheSnapshot:
-        blocks = self.pool.blocks
         return CacheSnapshot(
-            ref_counts=tuple(b.ref_count for b in blocks),
-            cached=tuple(b.block_hash is not None for b in blocks),
-            block_tables={rid: tuple(b.block_id for b in bl) for rid, bl in self._blocks_of.items()},
+            ref_counts=_read_only_copy(self.pool.ref_counts),
+            cached=_read_only_copy(self.pool.cached),
+            block_tables={rid: tuple(table) for rid, table in self._tables.items()},
             num_free_blocks=self.num_free_blocks,
         )
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (O(num_blocks))."""
+        self.pool.check()
+        holders = np.zeros(self.num_blocks, np.int64)
+        for rid, table in self._tables.items():
+            if not table or len(set(table)) != len(table):
+                raise AssertionError(f"request {rid!r} has an empty or repeating table {table}")
+            holders[table] += 1
+        mismatched = np.flatnonzero(holders != self.pool.ref_counts)
+        if mismatched.size:
+            b = int(mismatched[0])
+            raise AssertionError(
+                f"block {b} has ref count {self.pool.ref_counts[b]} but {holders[b]} tables hold it"
+            )
+        cached = set(np.flatnonzero(self.pool.cached).tolist())
+        indexed = set(self.index.block_ids())
+        if cached != indexed or len(self.index) != len(indexed):
+            raise AssertionError(
+                f"cached but not indexed: {sorted(cached - indexed)[:8]}; indexed but not "
+                f"cached: {sorted(indexed - cached)[:8]}; {len(self.index)} hashes"
+            )
+        for rid, num_indexed in self._num_indexed.items():
+            if rid not in self._tables or num_indexed > len(self._tables[rid]):
+                raise AssertionError(f"request {rid!r} counts {num_indexed} indexed blocks")
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _blocks_written_in_place(
+        self, table: list[int], write_start: int, write_end: int
+    ) -> tuple[list[int], list[int]]:
+        """Positions in ``table`` of held blocks that tokens ``[write_start, write_end)``
+        would overwrite: ``(shared, private_cached)``.
+
+        Shared ones need copy-on-write; private ones that are still indexed (a request cut
+        back by :meth:`truncate` inside a block that was shared then, or never freed by its
+        other holder since) must leave the index first.
+        """
+        if write_end <= write_start:
+            return [], []
+        first = write_start // self.block_size
+        last = min(len(table), self.blocks_needed(write_end))
+        refs, cached = self.pool.ref_counts, self.pool.cached
+        shared, private_cached = [], []
+        for i in range(first, last):
+            if refs[table[i]] > 1:
+                shared.append(i)
+            elif cached[table[i]]:
+                private_cached.append(i)
+        return shared, private_cached
+
+    def _copy_on_write(
+        self, table: list[int], positions: list[int], fresh: list[int], write_start: int
+    ) -> None:
+        """Swap fresh blocks in at ``positions``; blocks with computed KV get a pending copy."""
+        shared = [table[i] for i in positions]
+        for i, src, dst in zip(positions, shared, fresh, strict=True):
+            table[i] = dst
+            if i * self.block_size < write_start:
+                self._pending_copies.append((src, dst))
+        # Each was shared (ref count > 1), so dropping our reference frees none of them and
+        # the policy is not called.
+        self.pool.release(shared)
+
+    def _release(self, tail_first: list[int]) -> None:
+        """Release blocks and log those freed, also when the policy fails in ``on_free``."""
+        try:
+            freed = self.pool.release(tail_first)
+        except ComponentError:
+            ids = np.asarray(tail_first)
+            self._note_freed(ids[self.pool.ref_counts[ids] == 0].tolist())
+            raise
+        self._note_freed(freed)
+
+    def _release_quietly(self, tail_first: list[int]) -> None:
+        """Undo references during a rollback; the caller re-raises the first failure."""
+        try:
+            self.pool.release(tail_first)
+        except ComponentError:
+            pass  # the pool is consistent either way (freed as empty)
+
+    def _note_freed(self, freed: list[int]) -> None:
+        # Pending copies into freed blocks stay: a later copy may read from such a block,
+        # and copying into a block nobody reads yet is harmless.
+        self._log["freed"].extend(freed)
+
+    def _forget(self, block_ids: list[int]) -> None:
+        """The pool dropped these blocks' cached content: the index must not find them."""
+        self.index.remove(block_ids)
+        self._log["evicted"].extend(block_ids)

@@ -8,11 +8,9 @@ hit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, KeysView, Sequence
 
 import attrs
-
-from llmlab.cache.block_pool import Block
 
 # The parent "hash" of a sequence's first block; any fixed value works.
 ROOT_HASH = 0x6C6C6D6C6162
@@ -34,27 +32,47 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 
 @attrs.define
 class PrefixIndex:
-    """Map from chained block hash to the block holding that content."""
+    """Chained block hash -> block id, and block id -> (hash, token ids) to verify hits.
 
-    _by_hash: dict[int, Block] = attrs.field(factory=dict)
+    Sized by the cached blocks only (two dict entries and one token tuple each), never by
+    the pool.
+    """
+
+    _block_of_hash: dict[int, int] = attrs.field(factory=dict, repr=False)
+    _entry_of_block: dict[int, tuple[int, tuple[int, ...]]] = attrs.field(factory=dict, repr=False)
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return len(self._block_of_hash)
 
-    def get(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
-        block = self._by_hash.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+    def get(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The block holding exactly ``token_ids`` under ``block_hash``, or None."""
+        block_id = self._block_of_hash.get(block_hash)
+        if block_id is None or self._entry_of_block[block_id][1] != token_ids:
             return None
-        return block
+        return block_id
 
     def contains(self, block_hash: int) -> bool:
-        return block_hash in self._by_hash
+        return block_hash in self._block_of_hash
 
-    def insert(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        block.block_hash = block_hash
-        block.token_ids = token_ids
-        self._by_hash[block_hash] = block
+    def hash_of(self, block_id: int) -> int | None:
+        entry = self._entry_of_block.get(block_id)
+        return None if entry is None else entry[0]
 
-    def remove(self, block: Block) -> None:
-        if block.block_hash is not None and self._by_hash.get(block.block_hash) is block:
-            del self._by_hash[block.block_hash]
+    def block_ids(self) -> KeysView[int]:
+        """Ids of the indexed blocks (a live view)."""
+        return self._entry_of_block.keys()
+
+    def insert(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if block_hash in self._block_of_hash or block_id in self._entry_of_block:
+            raise ValueError(
+                f"block {block_id} with hash {block_hash:#x} is already indexed; remove it first"
+            )
+        self._block_of_hash[block_hash] = block_id
+        self._entry_of_block[block_id] = (block_hash, token_ids)
+
+    def remove(self, block_ids: Iterable[int]) -> None:
+        """Forget these blocks; ids that are not indexed are ignored."""
+        for block_id in block_ids:
+            entry = self._entry_of_block.pop(block_id, None)
+            if entry is not None:
+                del self._block_of_hash[entry[0]]

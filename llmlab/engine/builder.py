@@ -13,13 +13,16 @@ which is how the command line picks them.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import pathlib
 
 import attrs
 import torch
 
 from llmlab.attention import ATTENTION_BACKENDS
-from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
+from llmlab.attention.backend import AttentionBackend
 from llmlab.attention.torch_backend import TorchPagedAttention
 from llmlab.cache.eviction import EVICTION_POLICIES, EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
@@ -35,7 +38,10 @@ from llmlab.models.loader import (
     resolve_model_path,
 )
 from llmlab.models.registry import get_model_class
+from llmlab.request import Request
+from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
+from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.policy import FCFS, SCHEDULING_POLICIES, SchedulingPolicy
 from llmlab.scheduler.scheduler import Scheduler
 
@@ -79,7 +85,7 @@ class EngineBuilder:
         eviction = _component("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         attention = _component("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         device = resolve_device(cfg.device)
-        model_path = resolve_model_path(cfg.model, cfg.revision)
+        model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -87,16 +93,49 @@ class EngineBuilder:
         get_model_class(getattr(hf_config, "architectures", None))
         if cfg.max_num_batched_tokens is None:
             default_budget = 8192 if device.type == "cuda" else 2048
+            if cfg.enable_chunked_prefill is False:
+                default_budget = max(default_budget, cfg.max_model_len or 0)
             cfg = attrs.evolve(cfg, max_num_batched_tokens=default_budget)
+        if cfg.seed is None:
+            # vLLM's seed=None: not reproducible, so draw one (and keep it in the config,
+            # where a user can read it back to replay the run).
+            cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         dtype = resolve_dtype(cfg.dtype, hf_config)
         max_model_len = _max_model_len(cfg, hf_config)
+        if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"enable_chunked_prefill=False needs max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) >= max_model_len ({max_model_len}), so that "
+                "every prompt fits one step"
+            )
 
         model = load_model(model_path, hf_config, dtype, device)
         tokenizer = None
         if not cfg.skip_tokenizer_init:
-            tokenizer = load_tokenizer(cfg.tokenizer or str(model_path), cfg.revision)
+            tokenizer = load_tokenizer(
+                cfg.tokenizer or str(model_path),
+                cfg.tokenizer_revision or cfg.revision,
+                use_fast=cfg.tokenizer_mode != "slow",
+                cache_dir=cfg.download_dir,
+            )
         attention = attention or TorchPagedAttention()
         layout = model.kv_layout
+        sampler = self.sampler or Sampler()
+        generator = torch.Generator(device=device)
+        generator.manual_seed(cfg.seed)
+
+        def runner_for(kv_caches: list[torch.Tensor], num_blocks: int) -> ModelRunner:
+            return ModelRunner(
+                model=model,
+                attention=attention,
+                sampler=sampler,
+                kv_caches=kv_caches,
+                block_size=cfg.block_size,
+                device=device,
+                generator=generator,
+                num_kv_blocks=num_blocks,
+                max_num_seqs=cfg.max_num_seqs,
+            )
 
         num_blocks = num_blocks_for(
             layout=layout,
@@ -109,7 +148,7 @@ class EngineBuilder:
             num_gpu_blocks_override=cfg.num_gpu_blocks_override,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             profile_peak_bytes=lambda: _profile_peak_bytes(
-                model, attention, layout, cfg, max_model_len, dtype, device
+                runner_for, attention, layout, cfg, max_model_len, dtype, device
             ),
         )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
@@ -119,33 +158,26 @@ class EngineBuilder:
             enable_prefix_caching=cfg.enable_prefix_caching,
             eviction=eviction or LRUEviction(),
         )
-        generator = torch.Generator(device=device)
-        generator.manual_seed(cfg.seed)
-        runner = ModelRunner(
-            model=model,
-            attention=attention,
-            sampler=self.sampler or Sampler(),
-            kv=kv,
-            kv_caches=allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device),
-            device=device,
-            generator=generator,
-        )
+        kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
         scheduler = Scheduler(
             kv=kv,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_model_len,
             policy=policy or FCFS(),
+            chunked_prefill=cfg.enable_chunked_prefill is not False,
         )
-        return Engine(
+        engine = Engine(
             config=cfg,
             scheduler=scheduler,
-            runner=runner,
+            executor=runner_for(kv_caches, num_blocks),
             tokenizer=tokenizer,
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
         )
+        engine.default_sampling_params = default_sampling_params(model_path)
+        return engine
 
 
 def _component(kind: str, value, registry: dict[str, type]):
@@ -189,39 +221,52 @@ def _eos_token_ids(tokenizer, hf_config, model_path) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _profile_peak_bytes(model, attention, layout, cfg, max_model_len, dtype, device) -> int:
+def default_sampling_params(model_path) -> SamplingParams:
+    """The checkpoint's recommended sampling settings (``generation_config.json``), as vLLM
+    uses them when no ``SamplingParams`` is given: temperature, top_p, top_k, min_p and
+    ``max_new_tokens`` (as ``max_tokens``); anything absent keeps the vLLM default."""
+    path = pathlib.Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return SamplingParams()
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        logger.warning("ignoring unreadable %s: %s", path, err)
+        return SamplingParams()
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "min_p": "min_p", "max_new_tokens": "max_tokens"}
+    settings = {ours: gen[theirs] for theirs, ours in names.items() if gen.get(theirs) is not None}
+    try:
+        return SamplingParams(**settings)
+    except (TypeError, ValueError) as err:
+        logger.warning("ignoring generation_config.json sampling defaults %s: %s", settings, err)
+        return SamplingParams()
+
+
+def _profile_peak_bytes(runner_for, attention, layout, cfg, max_model_len, dtype, device) -> int:
     """Peak torch memory of a forward pass at the largest batch the scheduler may form.
 
     The batch is split into sequences of at most ``max_model_len`` tokens so positions
-    stay in range; the temporary KV blocks it needs are subtracted from the peak.
+    stay in range; it runs through the model runner's own ``run_model`` (same tensors,
+    same slot mapping) on temporary KV blocks, which are subtracted from the peak.
     """
     num_tokens = cfg.max_num_batched_tokens
     bs = cfg.block_size
     lens = [max_model_len] * (num_tokens // max_model_len)
     if num_tokens % max_model_len:
         lens.append(num_tokens % max_model_len)
-    tables, slots, next_block = [], [], 0
-    for n in lens:
-        blocks = list(range(next_block, next_block + -(-n // bs)))
+    entries, next_block = [], 0
+    for row, n in enumerate(lens):
+        blocks = tuple(range(next_block, next_block + -(-n // bs)))
         next_block += len(blocks)
-        tables.append(blocks)
-        slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+        request = Request(f"profile-{row}", [0] * n, SamplingParams(max_tokens=1), 0.0)
+        entries.append(ScheduledRequest(request, row, 0, (0,) * n, blocks, num_scored=1))
     caches = allocate_kv_caches(attention, layout, next_block, bs, dtype, device)
     cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-    inputs = AttentionInputs(
-        query_lens=lens,
-        seq_lens=lens,
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, device=device),
-        block_size=bs,
-        device=device,
-    )
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    runner = runner_for([], 0)
     with torch.inference_mode():
-        attn = AttentionContext(attention, attention.build_metadata(inputs), caches)
-        hidden = model(input_ids, positions, attn)
-        model.compute_logits(hidden[: min(cfg.max_num_seqs, num_tokens)])
+        hidden = runner.run_model(ScheduledBatch(tuple(entries)), caches)
+        runner.model.compute_logits(hidden[: min(cfg.max_num_seqs, num_tokens)])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del caches, hidden

@@ -1,85 +1,158 @@
-"""The model runner: turns a ``ScheduledBatch`` into tensors, runs the model, samples.
+"""The model runner: the :class:`~llmlab.engine.executor.Executor` that runs a real model.
 
-It is the only component that touches the model and the KV tensors. The batch is flat:
-the new tokens of every scheduled request are concatenated (no padding), positions and KV
-slots are given per token, and logits are computed only for the last token of requests
-that reach the end of their known tokens this step.
+It turns a :class:`~llmlab.scheduler.batch.ScheduledBatch` into tensors, runs the model and
+samples; everything it needs comes in the batch (rows, token spans, block tables), so it
+never reads the scheduler or the KV cache manager. The batch is flat: the new tokens of
+every scheduled request are concatenated (no padding), positions and KV slots are given per
+token, and logits are computed only for the positions each entry asks to score.
+
+Per-row state of the attention backend (e.g. the CPU decode mirror) is created here, once
+per engine, released when the batch says a row was freed, and reset if a step fails.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
-from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
-from llmlab.cache.kv_cache_manager import KVCacheManager
+from llmlab.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionInputs,
+    block_table_tensor,
+    token_slots,
+)
+from llmlab.errors import ComponentError
 from llmlab.sampling.sampler import Sampler
-from llmlab.scheduler.scheduler import ScheduledBatch
+from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 
 
 @attrs.define
 class ModelRunner:
+    """Executes batches on ``model`` with the paged KV tensors ``kv_caches``.
+
+    Attributes:
+        attention_state: the backend's per-engine state (``create_state``), or None.
+    """
+
     model: torch.nn.Module
     attention: AttentionBackend
     sampler: Sampler
-    kv: KVCacheManager
     kv_caches: list[torch.Tensor]
+    block_size: int
     device: torch.device
     generator: torch.Generator
+    num_kv_blocks: int
+    max_num_seqs: int
+    attention_state: Any = attrs.field(init=False, default=None)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
-        bs = self.kv.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
+    def __attrs_post_init__(self) -> None:
+        create = getattr(self.attention, "create_state", None)
+        if create is not None:
+            self.attention_state = create(
+                num_rows=self.max_num_seqs,
+                num_slots=self.num_kv_blocks * self.block_size,
+                device=self.device,
+            )
+
+    # -- the executor interface --------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> BatchOutput:
+        """Release freed rows, apply block copies, run the model, sample."""
+        try:
+            return self._execute(batch)
+        except BaseException as err:
+            # Per-row state may be half-updated (e.g. a forward interrupted after some
+            # layers): start it afresh; the next step rebuilds it from the paged cache.
+            reset = getattr(self.attention_state, "reset", None)
+            if reset is not None:
+                reset()
+            if isinstance(err, Exception) and not isinstance(err, ComponentError):
+                raise ComponentError.wrap("executor", self, "execute", err) from err
+            raise
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> BatchOutput:
+        release = getattr(self.attention_state, "release", None)
+        if batch.freed_rows and release is not None:
+            release(batch.freed_rows)
+        if batch.block_copies:
+            self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
+        if not batch.entries:
+            return BatchOutput.empty()
+        hidden = self.run_model(batch, self.kv_caches, self.attention_state)
+
+        scored_rows, scored_requests, counts = [], [], []
+        offset = 0
         for entry in batch.entries:
-            request = entry.request
-            start = entry.num_computed_tokens
-            end = start + entry.num_new_tokens
-            blocks = self.kv.block_ids(request.request_id)
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(entry.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(blocks)
+            offset += len(entry.token_ids)
+            k = entry.num_scored
+            if k > 1:
+                raise NotImplementedError(
+                    f"request {entry.request_id!r} asks to score {k} positions; the model "
+                    "runner samples one token per request (speculative verification is not "
+                    "built yet)"
+                )
+            scored_rows.extend(range(offset - k, offset))
+            scored_requests.extend([entry.request] * k)
+            counts.append(k)
+        if not scored_rows:
+            return BatchOutput.empty(len(batch.entries))
+        logits = self.model.compute_logits(hidden[scored_rows])
+        try:
+            sampled = self.sampler(logits, scored_requests, self.generator)
+        except Exception as err:
+            raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
+        token_ids, logprobs, i = [], [], 0
+        for k in counts:
+            token_ids.append(tuple(sampled.token_ids[i : i + k]))
+            logprobs.append(tuple(sampled.logprobs[i : i + k]))
+            i += k
+        return BatchOutput(tuple(token_ids), tuple(logprobs))
+
+    # -- tensors -----------------------------------------------------------------------
+
+    def prepare(
+        self, batch: ScheduledBatch, attention_state: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+        """Flat ``input_ids``, ``positions`` and the attention description of a batch."""
+        entries = batch.entries
+        input_ids: list[int] = []
+        query_lens, seq_lens = [], []
+        for entry in entries:
+            input_ids.extend(entry.token_ids)
+            query_lens.append(len(entry.token_ids))
+            seq_lens.append(entry.start + len(entry.token_ids))
+        tables = block_table_tensor([e.block_table for e in entries])
+        lens = torch.tensor(query_lens, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(entries)), lens)
+        # Position of each flat token: its sequence's start plus its offset in the span.
+        first = torch.cumsum(lens, 0) - lens
+        starts = torch.tensor([e.start for e in entries], dtype=torch.long)
+        positions = torch.arange(int(lens.sum())) - first[seq_index] + starts[seq_index]
+        slots = token_slots(tables, seq_index, positions, self.block_size)
         dev = self.device
         inputs = AttentionInputs(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_size=bs,
+            block_tables=tables,
+            slot_mapping=slots.to(dev),
+            block_size=self.block_size,
             device=dev,
-            request_ids=tuple(e.request.request_id for e in batch.entries),
+            rows=tuple(e.row for e in entries),
+            state=attention_state,
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            inputs,
-        )
+        return torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), inputs
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, tuple[int, float]]:
-        """Run one step; returns ``{request_id: (token_id, logprob)}`` for sampling requests."""
-        input_ids, positions, inputs = self.prepare(batch)
-        metadata = self.attention.build_metadata(inputs)
-        attn = AttentionContext(self.attention, metadata, self.kv_caches)
-        hidden = self.model(input_ids, positions, attn)
-
-        last_rows, sampling = [], []
-        offset = 0
-        for entry in batch.entries:
-            offset += entry.num_new_tokens
-            if entry.samples:
-                last_rows.append(offset - 1)
-                sampling.append(entry.request)
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[last_rows])
-        out = self.sampler(logits, sampling, self.generator)
-        return {
-            r.request_id: (tok, lp)
-            for r, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
-        }
+    def run_model(
+        self, batch: ScheduledBatch, kv_caches: list[torch.Tensor], attention_state: Any = None
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]`` of every token in the batch."""
+        input_ids, positions, inputs = self.prepare(batch, attention_state)
+        try:
+            metadata = self.attention.build_metadata(inputs)
+        except Exception as err:
+            raise ComponentError.wrap("attention backend", self.attention, "build_metadata", err) from err
+        return self.model(input_ids, positions, AttentionContext(self.attention, metadata, kv_caches))

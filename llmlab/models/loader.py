@@ -36,11 +36,21 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    # Not a serving dtype, but exact enough that numerical ties never flip a greedy token:
+    # tests comparing schedules (preemption vs none) use it.
+    "float64": torch.float64,
+    "double": torch.float64,
 }
+_AUTO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> pathlib.Path:
+def resolve_model_path(
+    model: str, revision: str | None = None, cache_dir: str | None = None
+) -> pathlib.Path:
     """A local model directory as-is, else a Hub repo id downloaded (or found in cache).
+
+    ``cache_dir`` (vLLM's ``download_dir``) is where hub downloads go (default: the
+    Hugging Face cache).
 
     Only config, tokenizer and weight files are fetched: safetensors when the repo has
     them, otherwise PyTorch ``.bin`` files.
@@ -59,6 +69,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> pathlib.Path:
             path = snapshot_download(
                 model,
                 revision=revision,
+                cache_dir=cache_dir,
                 allow_patterns=_METADATA_PATTERNS + weight_patterns,
                 ignore_patterns=_IGNORE_PATTERNS,
             )
@@ -83,7 +94,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: object) -> torch.dtype:
     """The compute dtype: ``auto`` follows the checkpoint's config, else float32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPE_NAMES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+            raise ValueError(
+                f"dtype {dtype} is not supported; use float32, float16, bfloat16 or float64"
+            )
         return dtype
     if not isinstance(dtype, str):
         raise ValueError(f"dtype must be a str or torch.dtype, got {dtype!r}")  # noqa: TRY004
@@ -95,7 +108,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: object) -> torch.dtype:
             config_dtype = _DTYPE_NAMES.get(config_dtype.lower().removeprefix("torch."))
         # A missing or exotic (float64, int8) config dtype means "whatever it was saved
         # in", not a request; float32 is the safe reading.
-        if config_dtype not in _DTYPE_NAMES.values():
+        if config_dtype not in _AUTO_DTYPES:
             return torch.float32
         return config_dtype
     resolved = _DTYPE_NAMES.get(name)
@@ -200,8 +213,17 @@ def load_model(
     return model
 
 
-def load_tokenizer(path_or_id: str | os.PathLike, revision: str | None = None):
-    """The model's tokenizer via ``transformers.AutoTokenizer`` (fast when available)."""
+def load_tokenizer(
+    path_or_id: str | os.PathLike,
+    revision: str | None = None,
+    *,
+    use_fast: bool = True,
+    cache_dir: str | None = None,
+):
+    """The model's tokenizer via ``transformers.AutoTokenizer`` (fast when available, unless
+    ``use_fast=False``: vLLM's ``tokenizer_mode="slow"``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path_or_id), revision=revision)
+    return AutoTokenizer.from_pretrained(
+        str(path_or_id), revision=revision, use_fast=use_fast, cache_dir=cache_dir
+    )

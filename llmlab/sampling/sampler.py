@@ -26,12 +26,16 @@ class SamplerOutput:
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    vocab = logits.shape[-1]
     for row, r in enumerate(requests):
         params = r.sampling_params
         if r.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(r.eos_token_ids)
+            # Ids past the logits (possible when the tokenizer knows more tokens than the
+            # model scores) can never be sampled, so there is nothing to suppress.
+            banned = [t for t in banned if t < vocab]
             if banned:
                 logits[row, banned] = float("-inf")
 
@@ -63,6 +67,17 @@ def filtered_probs(
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _own_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """The request's seeded stream, created at its first draw on the logits' device."""
+    seed = request.sampling_params.seed
+    if seed is None:
+        return None
+    if request.generator is None:
+        request.generator = torch.Generator(device=device)
+        request.generator.manual_seed(seed)
+    return request.generator
 
 
 @attrs.define
@@ -102,20 +117,22 @@ class Sampler:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        vocab = logits.shape[-1]
         probs = filtered_probs(
             logits[rows],
             column([p.temperature for p in params], torch.float32),
-            column([max(p.top_k, 0) for p in params], torch.long),
+            # A top_k beyond the vocabulary keeps everything (and would overflow a long).
+            column([min(max(p.top_k, 0), vocab) for p in params], torch.long),
             column([p.top_p for p in params], torch.float32),
             column([p.min_p for p in params], torch.float32),
         )
         noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rows) if requests[i].generator is None]
+        unseeded = [j for j, i in enumerate(rows) if requests[i].sampling_params.seed is None]
         if unseeded:
             shared = torch.empty(len(unseeded), probs.shape[1], device=device)
             noise[unseeded] = shared.exponential_(generator=generator)
         for j, i in enumerate(rows):
-            own = requests[i].generator
+            own = _own_generator(requests[i], device)
             if own is not None:
                 noise[j].exponential_(generator=own)
         return (probs / noise).argmax(dim=-1)

@@ -84,8 +84,9 @@ def _generate(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
         )
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as err:
+        # A bad flag value or model path is the user's to fix: one line, no traceback.
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     for out in outputs:
         completion = out.outputs[0]
@@ -94,10 +95,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.split("\n\n")[0])
+    # allow_abbrev=False: a misspelt flag is an error, not silently another flag's prefix.
+    parser = argparse.ArgumentParser(
+        prog="llmlab", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate completions for prompts")
+    gen = commands.add_parser(
+        "generate", help="generate completions for prompts", allow_abbrev=False
+    )
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     _add_engine_args(gen)
     _add_sampling_args(gen)

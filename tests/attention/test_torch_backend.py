@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from llmlab.attention import AttentionContext, AttentionInputs, TorchPagedAttention
+from llmlab.attention import (
+    AttentionContext,
+    AttentionInputs,
+    TorchPagedAttention,
+    block_table_tensor,
+)
 
 
 def dense_reference(q, k_all, v_all, num_cached, scale, window=None):
@@ -56,7 +61,7 @@ def test_mixed_batch_matches_dense_attention(block_size, window):
     inputs = AttentionInputs(
         query_lens=[n for _, n in shapes],
         seq_lens=[c + n for c, n in shapes],
-        block_tables=tables,
+        block_tables=block_table_tensor(tables),
         slot_mapping=torch.tensor(slots),
         block_size=block_size,
         device=torch.device("cpu"),
@@ -79,7 +84,7 @@ def test_new_kv_is_written_at_slot_mapping():
     backend = TorchPagedAttention()
     cache = torch.zeros(backend.kv_cache_shape(4, 2, 1, 3))  # 4 blocks of 2 slots
     inputs = AttentionInputs(
-        query_lens=[3], seq_lens=[3], block_tables=[[2, 0]],
+        query_lens=[3], seq_lens=[3], block_tables=block_table_tensor([[2, 0]]),
         slot_mapping=torch.tensor([4, 5, 0]), block_size=2, device=torch.device("cpu"),
     )
     k = torch.arange(9.0).view(3, 1, 3)
@@ -102,20 +107,27 @@ def test_decode_mirror_matches_gathering_across_joins_leaves_and_compaction():
         (b, torch.zeros(b.kv_cache_shape(num_blocks, bs, kv_heads, dim)))
         for b in (TorchPagedAttention(decode_mirror=True), TorchPagedAttention(decode_mirror=False))
     ]
+    cpu = torch.device("cpu")
+    states = [b.create_state(num_rows=64, num_slots=num_blocks * bs, device=cpu) for b, _ in backends]
+    assert states[1] is None
     free = list(range(num_blocks))
-    seqs: dict[str, dict] = {}  # request id -> {"len": tokens cached, "blocks": [...]}
+    free_rows = list(range(64))
+    seqs: dict[str, dict] = {}  # request id -> {"len", "blocks", "row"}
     rng = torch.Generator().manual_seed(0)
     next_id = 0
     for step in range(40):
         # Requests join (prefill) and leave at random; at times most leave (compaction).
+        leaving = []
         if step in (10, 25):
-            for rid in list(seqs)[: len(seqs) * 3 // 4]:
-                del seqs[rid]
-        for rid in list(seqs):
-            if torch.rand(1, generator=rng).item() < 0.1:
-                del seqs[rid]
+            leaving += list(seqs)[: len(seqs) * 3 // 4]
+        leaving += [r for r in seqs if r not in leaving and torch.rand(1, generator=rng).item() < 0.1]
+        for rid in leaving:
+            row = seqs.pop(rid)["row"]
+            states[0].release([row])  # the scheduler says the row is free
+            free_rows.append(row)
         for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
-            seqs[f"r{next_id}"] = {"len": 0, "blocks": [], "new": int(torch.randint(2, 9, (1,), generator=rng))}
+            seqs[f"r{next_id}"] = {"len": 0, "blocks": [], "row": free_rows.pop(0),
+                                   "new": int(torch.randint(2, 9, (1,), generator=rng))}
             next_id += 1
         if not seqs:
             continue
@@ -125,25 +137,25 @@ def test_decode_mirror_matches_gathering_across_joins_leaves_and_compaction():
             total = s["len"] + new
             while len(s["blocks"]) * bs < total:
                 s["blocks"].append(free.pop(int(torch.randint(0, len(free), (1,), generator=rng))))
-            ids.append(rid)
+            ids.append(s["row"])
             q_lens.append(new)
             seq_lens.append(total)
             tables.append(list(s["blocks"]))
             slots += [s["blocks"][p // bs] * bs + p % bs for p in range(s["len"], total)]
             s["len"] = total
-        inputs = AttentionInputs(
-            query_lens=q_lens, seq_lens=seq_lens, block_tables=tables,
-            slot_mapping=torch.tensor(slots), block_size=bs, device=torch.device("cpu"),
-            request_ids=tuple(ids),
-        )
         n = len(slots)
         q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
         outs = []
-        for backend, cache in backends:
+        for (backend, cache), state in zip(backends, states):
+            inputs = AttentionInputs(
+                query_lens=q_lens, seq_lens=seq_lens, block_tables=block_table_tensor(tables),
+                slot_mapping=torch.tensor(slots), block_size=bs, device=cpu,
+                rows=tuple(ids), state=state,
+            )
             ctx = AttentionContext(backend, backend.build_metadata(inputs), [cache])
             outs.append(ctx.attend(0, q, k, v, scale=dim**-0.5, sliding_window=6 if step % 2 else None))
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    mirror = backends[0][0]._mirror
+    mirror = states[0]
     assert next_id > 20 and mirror.num_compactions > 0 and mirror.num_fills > 20
 
 
@@ -152,18 +164,44 @@ def test_decode_mirror_falls_back_to_gathering_when_it_would_outgrow_the_cache()
     backend = TorchPagedAttention(decode_mirror=True)
     cache = torch.randn(backend.kv_cache_shape(101, bs, kv_heads, dim))  # 404 slots
     # Two decodes at 200 tokens would need 2 rows x 256 columns = 512 cells > 404.
-    tables = [list(range(50)), list(range(50, 100))]
+    tables = block_table_tensor([list(range(50)), list(range(50, 100))])
+    state = backend.create_state(num_rows=2, num_slots=cache.shape[2], device=torch.device("cpu"))
     inputs = AttentionInputs(
         query_lens=[1, 1], seq_lens=[200, 200], block_tables=tables,
         slot_mapping=torch.tensor([199, 399]), block_size=bs, device=torch.device("cpu"),
-        request_ids=("a", "b"),
+        rows=(0, 1), state=state,
     )
     q, k, v = torch.randn(2, heads, dim), torch.randn(2, kv_heads, dim), torch.randn(2, kv_heads, dim)
     reference = TorchPagedAttention(decode_mirror=False)
     expected = AttentionContext(reference, reference.build_metadata(inputs), [cache.clone()]).attend(
         0, q, k, v, scale=0.5)
-    backend._num_slots = cache.shape[2]  # as learnt from a first forward
     metadata = backend.build_metadata(inputs)
     assert metadata.mirror_plan is None
     got = AttentionContext(backend, metadata, [cache]).attend(0, q, k, v, scale=0.5)
     torch.testing.assert_close(got, expected)
+
+
+def test_copy_blocks_copies_every_slot_of_every_layer():
+    backend = TorchPagedAttention()
+    caches = [torch.randn(backend.kv_cache_shape(6, 4, 2, 3)) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    backend.copy_blocks(caches, [(1, 4), (5, 0)], block_size=4)
+    for c, b in zip(caches, before):
+        torch.testing.assert_close(c[:, :, 16:20], b[:, :, 4:8])
+        torch.testing.assert_close(c[:, :, 0:4], b[:, :, 20:24])
+        torch.testing.assert_close(c[:, :, 4:16], b[:, :, 4:16])
+
+
+def test_mirror_state_is_per_engine_and_keyed_by_row():
+    """One backend instance, two engines' states: rows never collide across them."""
+    backend = TorchPagedAttention()
+    cpu = torch.device("cpu")
+    a = backend.create_state(num_rows=4, num_slots=400, device=cpu)
+    b = backend.create_state(num_rows=4, num_slots=400, device=cpu)
+    assert a is not b
+    tables = block_table_tensor([[0, 1]])
+    a.plan([0], [5], tables, 4, cpu)
+    assert b.plan([0], [5], tables, 4, cpu).fresh_rows is not None  # b knows nothing of a
+    assert a.plan([0], [6], tables, 4, cpu).fresh_rows is None  # a continues row 0
+    a.release([0])
+    assert a.plan([0], [7], tables, 4, cpu).fresh_rows is not None  # a freed row starts fresh

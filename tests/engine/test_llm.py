@@ -277,8 +277,13 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
         return original(input_ids, positions, attn)
 
     monkeypatch.setattr(model, "forward", spy)
+    import attrs
+
+    def runner_for(caches, num_blocks):
+        return attrs.evolve(engine.runner, kv_caches=caches, num_kv_blocks=num_blocks)
+
     peak = builder._profile_peak_bytes(
-        model, engine.runner.attention, model.kv_layout, engine.config, 48, torch.float32,
+        runner_for, engine.runner.attention, model.kv_layout, engine.config, 48, torch.float32,
         torch.device("cpu"),
     )
     # 100 tokens as sequences of at most max_model_len=48 (48 + 48 + 4); cache excluded.

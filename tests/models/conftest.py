@@ -8,7 +8,12 @@ import attrs
 import pytest
 import torch
 
-from llmlab.attention import AttentionContext, AttentionInputs, TorchPagedAttention
+from llmlab.attention import (
+    AttentionContext,
+    AttentionInputs,
+    TorchPagedAttention,
+    block_table_tensor,
+)
 from llmlab.models import KVLayout, build_tiny_model
 
 # (test id, architecture, config overrides). Defaults already exercise each family's
@@ -113,7 +118,7 @@ class PagedRunner:
         inputs = AttentionInputs(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            block_tables=tables,
+            block_tables=block_table_tensor(tables),
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=self.block_size,
             device=torch.device("cpu"),

@@ -3,7 +3,7 @@
 
 from llmlab.cache import KVCacheManager
 from llmlab.request import RequestStatus
-from llmlab.scheduler import FCFS, Scheduler
+from llmlab.scheduler import FCFS, BatchOutput, Scheduler
 from tests.helpers import make_request
 
 
@@ -16,8 +16,12 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_m
 
 def run_step(sched, token=1):
     batch = sched.schedule(now=0.0)
-    sampled = {e.request.request_id: (token, -0.5) for e in batch.entries if e.samples}
-    finished = sched.update(batch, sampled)
+    output = BatchOutput.from_lists(
+        [[token] * e.num_scored for e in batch.entries],
+        [[-0.5] * e.num_scored for e in batch.entries],
+    )
+    finished = sched.update(batch, output)
+    assert sched.take_errors() == []
     return batch, finished
 
 
@@ -167,3 +171,67 @@ def test_an_optional_admit_hook_can_hold_a_request_back():
     batch, _ = run_step(sched)
     assert [e.request for e in batch.entries] == [short]  # the long one was skipped, not blocking
     assert long in sched.waiting
+
+
+def test_waiting_queue_stays_in_arrival_order_and_fcfs_does_not_resort_it():
+    sched = make_scheduler(max_num_seqs=1)
+    late, early, middle = (make_request(range(3), arrival=t) for t in (5.0, 1.0, 3.0))
+    for r in (late, early, middle):
+        sched.add(r)
+    assert sched.waiting == [early, middle, late]
+    # FCFS hands the queue back as it is: no sort (or copy) of 100k waiting per step.
+    assert FCFS().order(sched.waiting, 0.0) is sched.waiting
+    batch, _ = run_step(sched)
+    assert [e.request for e in batch.entries] == [early]
+
+
+def test_a_preempted_request_rejoins_the_queue_in_arrival_order():
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=64, max_num_seqs=2)
+    a = make_request(range(8), max_tokens=20, arrival=0)
+    b = make_request(range(50, 58), max_tokens=20, arrival=1)
+    c = make_request(range(70, 78), max_tokens=20, arrival=2)
+    for r in (a, b, c):
+        sched.add(r)
+    while not b.num_preemptions:
+        run_step(sched)
+    assert sched.waiting.index(b) < sched.waiting.index(c)
+
+
+def test_rows_are_lowest_free_and_reported_when_released():
+    sched = make_scheduler(max_num_seqs=3, budget=64)
+    reqs = [make_request(range(4), max_tokens=1 + i) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    batch, _ = run_step(sched)
+    assert [(e.row, e.new_row) for e in batch.entries] == [(0, True), (1, True), (2, True)]
+    assert reqs[0].row is None and reqs[0].is_finished  # one token, done
+    batch, _ = run_step(sched)
+    assert batch.freed_rows == (0,)
+    assert [(e.request, e.row, e.new_row) for e in batch.entries] == [
+        (reqs[1], 1, False), (reqs[2], 2, False), (reqs[3], 0, True)
+    ]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv=kv, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=20,
+                      chunked_prefill=False)
+    a, b = make_request(range(12), max_tokens=3), make_request(range(50, 62), max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    batch, _ = run_step(sched)
+    assert [(e.request, e.num_new_tokens) for e in batch.entries] == [(a, 12)]
+    batch, _ = run_step(sched)
+    assert [(e.request, e.num_new_tokens) for e in batch.entries] == [(a, 1), (b, 12)]
+
+
+def test_the_batch_carries_spans_and_block_tables():
+    sched = make_scheduler(block_size=4, budget=5)
+    r = make_request(range(100, 109), max_tokens=2)
+    sched.add(r)
+    first, _ = run_step(sched)
+    second, _ = run_step(sched)
+    e1, e2 = first.entries[0], second.entries[0]
+    assert (e1.start, e1.token_ids, e1.num_scored) == (0, (100, 101, 102, 103, 104), 0)
+    assert (e2.start, e2.token_ids, e2.num_scored) == (5, (105, 106, 107, 108), 1)
+    assert e2.block_table == tuple(sched.kv.block_ids(r.request_id)) and len(e2.block_table) == 3

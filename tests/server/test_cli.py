@@ -41,3 +41,17 @@ def test_generate_reports_bad_values_clearly(tiny_llama, tmp_path):
     result = run_cli(["generate", "x", "--model", tiny_llama, "--top-p", "2"], tmp_path)
     assert result.returncode == 2
     assert "top_p must be in (0, 1], got 2.0" in result.stderr
+
+
+def test_flag_prefixes_are_not_guessed(tiny_llama, tmp_path):
+    result = run_cli(["generate", "x", "--model", tiny_llama, "--max-tok", "3"], tmp_path)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --max-tok" in result.stderr
+
+
+def test_a_bad_model_path_is_one_error_line(tmp_path):
+    result = run_cli(["generate", "x", "--model", str(tmp_path / "missing")], tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing" in lines[0]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,39 @@
+"""Hold Ctrl-C back while the engine's bookkeeping is half done.
+
+A ``KeyboardInterrupt`` can land between any two bytecodes. Inside the model's forward pass
+that is harmless (nothing is committed until the step's update), but inside the scheduler
+or the KV cache manager it could leave a request half moved between queues or a block
+counted twice. :func:`deferred_interrupts` keeps SIGINT pending for the few microseconds of
+such a section and delivers it right after, so an interrupt always sees a consistent engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Delay SIGINT until the block exits (a no-op off the main thread, where no signal
+    handler runs anyway). Nested sections deliver the interrupt when the outermost exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except ValueError:  # signals unavailable here (e.g. an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt

@@ -1,0 +1,127 @@
+"""The step contract: what the scheduler hands to execution, and what execution returns.
+
+A :class:`ScheduledBatch` carries everything an executor needs to run one step, so no
+executor ever reads the scheduler's or the KV cache manager's state:
+
+* per request: a stable ``row`` (assigned at admission, held until the request finishes,
+  is preempted or aborted), the span of tokens to compute and where it starts, the full
+  block table, and how many trailing positions of the span to score;
+* for the whole step: rows released since the previous batch (their per-row state in an
+  executor or backend is dead), and KV block copies (copy-on-write) to apply before the
+  forward pass.
+
+Execution answers with a :class:`BatchOutput`: per entry, a *list* of tokens with their
+log-probabilities (empty for a prefill chunk that scores nothing), so sampling several
+tokens per request (n > 1, beams, accepted speculative drafts) needs no contract change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from llmlab.request import Request
+
+
+@attrs.frozen
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request, for sampling state only (parameters, output tokens so far,
+            its seeded generator); executors never change its lifecycle fields.
+        row: stable row of the request, in ``[0, max_num_seqs)``.
+        start: positions already in the KV cache (prefix hit or earlier steps); the span
+            covers positions ``start .. start + len(token_ids) - 1``.
+        token_ids: the tokens to compute this step.
+        block_table: KV block ids of the request, in position order (covers the span).
+        num_scored: how many trailing positions of the span are scored (their logits go to
+            the sampler): 1 when the span reaches the request's last known token, 0 for a
+            prefill chunk that stops short of it.
+        new_row: first step on this row since it was assigned (per-row state starts here).
+    """
+
+    request: Request
+    row: int
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    num_scored: int
+    new_row: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Alias of ``start`` (vLLM's name for the same count)."""
+        return self.start
+
+    @property
+    def samples(self) -> bool:
+        return self.num_scored > 0
+
+
+@attrs.frozen
+class ScheduledBatch:
+    """Everything one step executes, in batch order.
+
+    Attributes:
+        entries: the scheduled requests.
+        preempted: ids of requests preempted while building this batch.
+        freed_rows: rows released since the previous batch (finished, preempted, aborted);
+            an executor drops their per-row state *before* setting up ``entries``, which
+            may reuse them.
+        block_copies: ``(src_block, dst_block)`` KV copies to apply before the forward
+            (copy-on-write of a shared, partly filled block).
+    """
+
+    entries: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...] = ()
+    freed_rows: tuple[int, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing to release: executors may skip the step."""
+        return not (self.entries or self.freed_rows or self.block_copies)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+@attrs.frozen
+class BatchOutput:
+    """What execution produced: per entry of the batch (same order), the new tokens.
+
+    Attributes:
+        token_ids: tokens to append to each request, in order (empty when it scored
+            nothing). The scheduler appends them one by one and stops at the first that
+            ends the request.
+        logprobs: the log-probability of each of those tokens.
+    """
+
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def from_lists(
+        cls, token_ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]
+    ) -> BatchOutput:
+        return cls(tuple(map(tuple, token_ids)), tuple(map(tuple, logprobs)))
+
+    @classmethod
+    def empty(cls, num_entries: int = 0) -> BatchOutput:
+        return cls(((),) * num_entries, ((),) * num_entries)
