@@ -364,3 +364,20 @@ def test_interrupts_at_random_moments_leave_the_engine_clean(tiny_llama):
         assert_clean(engine)
     assert interrupted > 50
     assert tokens(llm.generate(workload, params, use_tqdm=False)) == expected
+
+
+def test_outputs_of_a_step_that_raised_come_with_the_next_step(tiny_llama):
+    policy = FlakyLRU("on_free", failures=0)
+    engine = LLM(tiny_llama, dtype="float32", block_size=4, eviction_policy=policy).llm_engine
+    engine.add_request("done-soon", prompts(1, 9)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("later", prompts(1, 9, seed=1)[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill: first token of each
+    policy.failures = 1  # the finishing request's blocks go back through on_free next step
+    with pytest.raises(ComponentError, match="on_free"):
+        engine.step()
+    outs = engine.step()
+    finished = [o for o in outs if o.finished]
+    assert [o.request_id for o in finished] == ["done-soon"]
+    assert len(finished[0].outputs[0].token_ids) == 2
+    assert run_engine(engine, {"later"})["later"].__len__() == 5
+    assert_clean(engine)
