@@ -91,17 +91,18 @@ class EngineBuilder:
         hf_config = AutoConfig.from_pretrained(model_path)
         # Reject an unsupported architecture before loading any weights.
         get_model_class(getattr(hf_config, "architectures", None))
+        max_model_len = _max_model_len(cfg, hf_config)
         if cfg.max_num_batched_tokens is None:
             default_budget = 8192 if device.type == "cuda" else 2048
             if cfg.enable_chunked_prefill is False:
-                default_budget = max(default_budget, cfg.max_model_len or 0)
+                # Unchunked prefill must fit the longest prompt in one step.
+                default_budget = max(default_budget, max_model_len)
             cfg = attrs.evolve(cfg, max_num_batched_tokens=default_budget)
         if cfg.seed is None:
             # vLLM's seed=None: not reproducible, so draw one (and keep it in the config,
             # where a user can read it back to replay the run).
             cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         dtype = resolve_dtype(cfg.dtype, hf_config)
-        max_model_len = _max_model_len(cfg, hf_config)
         if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"enable_chunked_prefill=False needs max_num_batched_tokens "
@@ -167,7 +168,7 @@ class EngineBuilder:
             policy=policy or FCFS(),
             chunked_prefill=cfg.enable_chunked_prefill is not False,
         )
-        engine = Engine(
+        return Engine(
             config=cfg,
             scheduler=scheduler,
             executor=runner_for(kv_caches, num_blocks),
@@ -175,9 +176,8 @@ class EngineBuilder:
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
+            default_sampling_params=default_sampling_params(model_path),
         )
-        engine.default_sampling_params = default_sampling_params(model_path)
-        return engine
 
 
 def _component(kind: str, value, registry: dict[str, type]):
