@@ -12,8 +12,10 @@ from llmlab.engine.engine import Engine
 from llmlab.engine.events import StepEvent
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.llm import LLM
+from llmlab.registry import register
 from llmlab.request import Request, RequestStatus
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
+from llmlab.scheduler.policy import Policy
 
 # vLLM's name for the engine class.
 LLMEngine = Engine
@@ -27,10 +29,12 @@ __all__ = [
     "EngineBuilder",
     "EngineConfig",
     "LLMEngine",
+    "Policy",
     "Request",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
     "StepEvent",
+    "register",
 ]

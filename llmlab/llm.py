@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from llmlab.config import EngineConfig
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine, PromptType
 from llmlab.engine.outputs import RequestOutput
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
-from llmlab.validation import as_int
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +90,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        user: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in input order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``), or a
         list of those. ``sampling_params``: one for all prompts, one per prompt, or None
-        for :meth:`get_default_sampling_params`. ``priority``: one int per prompt (kept on
-        each request for scheduling policies that use it).
+        for :meth:`get_default_sampling_params`. ``priority``: one int per prompt, lower
+        served first by policies that read it (``"priority"``). ``user``: one str (or None)
+        per prompt, for per-user policies (``"fair"``).
         All prompts are validated before any is queued: on an error nothing runs. After an
         error or Ctrl-C the engine holds none of this call's requests and no blocks for
         them. Calls from several threads run one after another.
@@ -106,15 +108,16 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         priorities = _as_priorities(priority, len(prompt_list))
+        users = _as_users(user, len(prompt_list))
         with self._lock:
             engine = self.llm_engine
             ids = self._new_ids(len(prompt_list))
             try:
-                for request_id, prompt, params, prio in zip(
-                    ids, prompt_list, params_list, priorities, strict=True
+                for request_id, prompt, params, prio, who in zip(
+                    ids, prompt_list, params_list, priorities, users, strict=True
                 ):
                     final_only = attrs.evolve(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                    engine.add_request(request_id, prompt, final_only, priority=prio)
+                    engine.add_request(request_id, prompt, final_only, priority=prio, user=who)
                 return self._run(ids, use_tqdm)
             finally:
                 self._abort_quietly(ids)
@@ -171,14 +174,34 @@ class LLM:
         return [done[i] for i in ids]
 
 
+def _per_prompt(field: str, values: Any, n: int, check, allowed: str) -> list:
+    """A list with one entry per prompt, or ValueError naming the field (type errors too:
+    a wrong list is one mistake, whatever is wrong with it, and nothing gets queued)."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
+        raise ValueError(f"{field} must be a list with one entry per prompt, got {values!r}")
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} values for {field} but {n} prompts; pass one per prompt")
+    for i, value in enumerate(values):
+        if not check(value):
+            raise ValueError(f"{field}[{i}] must be {allowed}, got {type(value).__name__} {value!r}")
+    return list(values)
+
+
 def _as_priorities(priority: Any, n: int) -> list[int]:
     if priority is None:
         return [0] * n
-    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
-        raise TypeError(f"priority must be a list of ints (one per prompt), got {priority!r}")
-    if len(priority) != n:
-        raise ValueError(f"got {len(priority)} priorities for {n} prompts; pass one per prompt")
-    return [as_int("priority", p) for p in priority]
+    values = _per_prompt(
+        "priority", priority, n,
+        lambda p: isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)),
+        "an int",
+    )
+    return [int(p) for p in values]
+
+
+def _as_users(user: Any, n: int) -> list[str | None]:
+    if user is None:
+        return [None] * n
+    return _per_prompt("user", user, n, lambda u: u is None or isinstance(u, str), "a str or None")
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -40,7 +40,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    # vLLM's semantics: a lower value is served first.
     priority: int = 0
+    # Who sent it (the OpenAI ``user`` field); fairness policies share service per user.
+    user: str | None = None
     prompt: str | None = None
     # Tokens that end generation unless ``ignore_eos``: the tokenizer's EOS plus any the
     # checkpoint's generation_config lists (e.g. Llama 3 instruct's end-of-turn token).
@@ -65,6 +68,20 @@ class Request:
     row: int | None = None
     # Why the engine ended the request itself (e.g. it can never fit the KV cache).
     error: str | None = None
+    # Prompt tokens computed at least once (cache hits excluded), a high-water mark that
+    # preemption does not reset: what fairness policies count as prompt service.
+    num_prompt_computed: int = 0
+    # Position in the scheduler's arrival order (ties between equal arrival times).
+    seq: int = 0
+    _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def view(self) -> RequestView:
+        """The read-only face of this request that policies see (one per request)."""
+        view = self._view
+        if view is None:
+            view = self._view = RequestView(self)
+        return view
 
     def __attrs_post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -93,3 +110,55 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.cumulative_logprob += logprob
+
+
+class RequestView:
+    """Read-only view of a :class:`Request`: what scheduling policies see.
+
+    It exposes the request's identity, its parameters and its progress, never the mutable
+    lists or the KV state, so a policy cannot change engine state by accident. One view
+    exists per request (``request.view``), so views compare and hash by identity and can
+    key a policy's own dicts and heaps.
+    """
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __repr__(self) -> str:
+        r = self._request
+        return (
+            f"RequestView({r.request_id!r}, status={r.status.value}, prompt={r.num_prompt_tokens}, "
+            f"output={r.num_output_tokens}, priority={r.priority}, user={r.user!r})"
+        )
+
+    request_id = property(lambda self: self._request.request_id)
+    arrival_time = property(lambda self: self._request.arrival_time)
+    priority = property(lambda self: self._request.priority)
+    user = property(lambda self: self._request.user)
+    seq = property(lambda self: self._request.seq, doc="arrival order (ties)")
+    sampling_params = property(lambda self: self._request.sampling_params)  # frozen
+    status = property(lambda self: self._request.status)
+    num_prompt_tokens = property(lambda self: len(self._request.prompt_token_ids))
+    num_output_tokens = property(lambda self: len(self._request.output_token_ids))
+    num_tokens = property(lambda self: len(self._request.all_token_ids))
+    num_computed_tokens = property(lambda self: self._request.num_computed_tokens)
+    num_preemptions = property(lambda self: self._request.num_preemptions)
+    num_cached_tokens = property(
+        lambda self: self._request.num_cached_tokens,
+        doc="prompt tokens found in the prefix cache at first admission",
+    )
+    is_finished = property(lambda self: self._request.is_finished)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self._request.sampling_params.max_tokens
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._request.output_token_ids)

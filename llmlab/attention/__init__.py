@@ -9,7 +9,11 @@ from llmlab.attention.backend import (
 )
 from llmlab.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 
-ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchPagedAttention}
+from llmlab.registry import register, table
+
+register("attention_backend", "torch")(TorchPagedAttention)
+ATTENTION_BACKENDS = table("attention_backend")
+"""Registered attention backends by name (live: includes the ones users register)."""
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -7,8 +7,10 @@
 
 Every component left unset gets its built-in default (FCFS, LRU, torch attention, the
 default sampler), so swapping one piece still yields the whole engine. Components may also
-be given by registered name (``"fcfs"``, ``"lru"``, ``"fifo"``, ``"random"``, ``"torch"``),
-which is how the command line picks them.
+be given by registered name (``"fcfs"``, ``"priority"``, ``"fair"``, ``"lru"``, ``"s3fifo"``,
+``"torch"``, ...; see :mod:`llmlab.registry` and ``llmlab components``) or import path
+(``"package.module:Class"``), which is how the command line picks them. A component missing
+a required method is rejected here, naming the method, before any weights load.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import pathlib
 import attrs
 import torch
 
-from llmlab.attention import ATTENTION_BACKENDS
+from llmlab import registry
 from llmlab.attention.backend import AttentionBackend
 from llmlab.attention.torch_backend import TorchPagedAttention
-from llmlab.cache.eviction import EVICTION_POLICIES, EvictionPolicy, LRUEviction
+from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
 from llmlab.config import EngineConfig
@@ -42,7 +44,8 @@ from llmlab.request import Request
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
-from llmlab.scheduler.policy import FCFS, SCHEDULING_POLICIES, SchedulingPolicy
+from llmlab.scheduler.policies import FCFS
+from llmlab.scheduler.policy import SchedulingPolicy, as_policy
 from llmlab.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -81,9 +84,10 @@ class EngineBuilder:
 
     def build(self) -> Engine:
         cfg = self.config
-        policy = _component("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        eviction = _component("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
-        attention = _component("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        policy = _component("scheduling_policy", self.scheduling_policy)
+        eviction = _component("eviction_policy", self.eviction_policy)
+        attention = _component("attention_backend", self.attention_backend)
+        as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
         model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
         from transformers import AutoConfig
@@ -180,14 +184,28 @@ class EngineBuilder:
         )
 
 
-def _component(kind: str, value, registry: dict[str, type]):
-    """An instance as given, or a new instance of the registered class named ``value``."""
-    if not isinstance(value, str):
-        return value
-    cls = registry.get(value)
-    if cls is None:
-        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(sorted(registry))}")
-    return cls()
+_REQUIRED = {
+    "eviction_policy": ("on_free", "on_hit", "evict"),
+    "attention_backend": ("kv_cache_shape", "build_metadata", "forward"),
+}
+
+
+def _component(kind: str, value):
+    """An instance as given, or a fresh instance of the component registered as ``value``.
+
+    Raises ``ValueError`` for an unknown name (listing the available ones) and
+    ``TypeError`` for an object missing a required method (naming it).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = registry.create(kind, value)
+    elif isinstance(value, type):
+        raise TypeError(f"{kind} must be an instance, got the class {value.__name__}")
+    for method in _REQUIRED.get(kind, ()):
+        if not callable(getattr(value, method, None)):
+            raise TypeError(f"{kind} {type(value).__name__} is missing method {method!r}")
+    return value
 
 
 def _max_model_len(cfg: EngineConfig, hf_config) -> int:

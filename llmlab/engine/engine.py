@@ -84,11 +84,15 @@ class Engine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        user: str | None = None,
     ) -> None:
         """Queue a request. Raises ``TypeError``/``ValueError`` (and queues nothing) on bad input.
 
         ``prompt`` is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a
         sequence of token ids (list, tuple, numpy array or 1-D torch tensor).
+        ``priority``: lower is served first by policies that read it (vLLM's semantics).
+        ``user``: who sent it (a string, or None); per-user policies such as ``fair`` share
+        service between users.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
@@ -97,6 +101,8 @@ class Engine:
             raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
         arrival_time = as_real("arrival_time", arrival_time, allow_none=True)
         priority = as_int("priority", priority)
+        if user is not None and not isinstance(user, str):
+            raise TypeError(f"user must be a str or None, got {type(user).__name__} {user!r}")
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
@@ -117,6 +123,7 @@ class Engine:
                 sampling_params=params,
                 arrival_time=self.clock() if arrival_time is None else arrival_time,
                 priority=priority,
+                user=user,
                 prompt=text,
                 eos_token_ids=self.eos_token_ids,
             )
@@ -298,6 +305,8 @@ class Engine:
         event = StepEvent(
             step_index=self._step_index,
             scheduled=tuple((e.request_id, e.num_new_tokens) for e in batch.entries),
+            scheduled_users=tuple(e.request.user for e in batch.entries),
+            scheduled_priorities=tuple(e.request.priority for e in batch.entries),
             num_batched_tokens=batch.num_batched_tokens,
             preempted=batch.preempted,
             finished=tuple((r.request_id, r.finish_reason) for r in finished),
@@ -309,7 +318,7 @@ class Engine:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             kv_usage=kv.usage,
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),
             wall_time_s=self.clock() - start,
             model_time_s=model_time,

@@ -17,6 +17,8 @@ class StepEvent:
     Attributes:
         step_index: 0-based count of steps that ran a batch.
         scheduled: ``(request_id, num_new_tokens)`` for each request in the batch.
+        scheduled_users / scheduled_priorities: the ``user`` and ``priority`` of each entry
+            of ``scheduled`` (same order), for per-user service and priority views.
         num_batched_tokens: total new tokens in the batch.
         preempted: requests preempted (their KV dropped, to be recomputed).
         finished: requests that finished this step, with ``(request_id, finish_reason)``.
@@ -31,6 +33,8 @@ class StepEvent:
 
     step_index: int
     scheduled: tuple[tuple[str, int], ...]
+    scheduled_users: tuple[str | None, ...]
+    scheduled_priorities: tuple[int, ...]
     num_batched_tokens: int
     preempted: tuple[str, ...]
     finished: tuple[tuple[str, str], ...]

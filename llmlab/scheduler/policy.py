@@ -1,59 +1,337 @@
-"""Scheduling policies: which waiting request is admitted next, which running one yields.
+"""The scheduling-policy interface (version 2), its base class, and the adapter for v1.
 
-The scheduler (mechanism) asks a policy two questions and never decides either itself:
+The scheduler owns the mechanism (budgets, KV blocks, rows, preemption by recompute); a
+policy makes four decisions and sees requests only through read-only
+:class:`~llmlab.request.RequestView`\\ s:
 
-* ``order(waiting, now)``: the admission order of the waiting requests this step
-  (``waiting`` arrives in arrival order, so FCFS returns it as it is: no sort per step);
-* ``victim(candidates)``: which running request to preempt when KV blocks run out.
+=====================================  ==========================================================
+``push(request, now)``                 a request starts waiting: it arrived, was preempted, or was
+                                       popped this step and not admitted (handed back at the end
+                                       of admission, in the order popped)
+``pop(now) -> request | None``         the waiting request to try to admit next (removed)
+``remove(request)``                    a request left for good: aborted while waiting, or
+                                       finished, aborted or failed while running (so per-request
+                                       state can go; a no-op for requests not queued)
+``victim(candidates) -> request``      the running request to preempt when KV blocks run out
+``running_order(running, now)``        optional: the order running requests get the step's budget
+                                       (default: admission order)
+``admit(request, budget) -> bool``     optional: False skips a popped request this step
+``preempt_for(request, running)``      optional: a running request to preempt so that ``request``
+                                       (popped, but out of blocks or rows) can be admitted, or None
+``on_step(served, now)``               optional: what each request was served this step
+``attach(view)``                       optional: called once with a :class:`SchedulerView`
+                                       (prefix-cache lookups, pool and queue sizes)
+=====================================  ==========================================================
 
-A policy may also define ``admit(request, budget) -> bool``; when it returns False the
-request is skipped this step (it stays waiting) and admission goes on with the next one.
-A new policy is a small class with these methods (see ``FCFS``).
+The waiting queue is the policy's own, kept incrementally, so a step costs O(log n) in the
+queue length instead of a sort. You rarely write those three methods yourself:
 
-A policy that raises (or names a victim that is not a candidate) stops scheduling for the
-step; the engine reports it as a :class:`~llmlab.errors.ComponentError` naming the policy.
+* subclass :class:`Policy` and define a static sort key, and you get the O(log n) queue and a
+  matching victim (the largest key) for free::
+
+      class ShortestPromptFirst(Policy):
+          name = "my_spf"
+
+          def key(self, request):
+              return request.num_prompt_tokens
+
+* or write today's two-method form, ``order(waiting, now)`` + ``victim(candidates)``: it keeps
+  working unchanged (the scheduler wraps it in :class:`OrderPolicy`, which calls ``order``
+  once per step: fine for notebook-sized queues, O(n log n) per step for large ones).
+
+Admission pops requests until one does not fit (it is handed back and admission stops, so a
+long prompt is never starved by shorter ones behind it), the step's token budget or rows
+run out, or the queue is empty. A policy that raises, or answers with something that is not
+one of the requests it was offered, stops scheduling for the step; the engine raises a
+:class:`~llmlab.errors.ComponentError` naming the policy and the method after the step, and
+no request is lost (one whose ``push`` failed is pushed again on the next step).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
-from llmlab.request import Request
+from llmlab.request import RequestView
+
+if TYPE_CHECKING:
+    from llmlab.cache.kv_cache_manager import KVCacheManager
+    from llmlab.request import Request
+
+REQUIRED_METHODS = ("push", "pop", "remove", "victim")
+LEGACY_METHODS = ("order", "victim")
+
+
+@attrs.frozen(slots=True)
+class Served:
+    """What one request got in one step (``on_step``'s ``served`` items).
+
+    Attributes:
+        request: the request (a view; it may have finished this step).
+        num_tokens: tokens computed for it (prompt, or recomputed context, or 1 decode).
+        num_prompt_tokens: those of ``num_tokens`` that were prompt tokens computed for the
+            first time (not recompute after a preemption, not cache hits).
+        num_output_tokens: tokens it generated this step (0 for a prefill chunk).
+    """
+
+    request: RequestView
+    num_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
 
 
 @runtime_checkable
 class SchedulingPolicy(Protocol):
-    name: str
+    """The decisions the scheduler delegates (see the module docstring for the table).
 
-    def order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
-        """Waiting requests (given in arrival order) in the order they should be admitted.
-
-        Admission stops at the first request that does not fit, so only a prefix of the
-        result is usually consumed; returning ``waiting`` itself is fine (don't mutate it).
-        """
-
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        """The running request to preempt; ``candidates`` is never empty."""
-
-
-@attrs.define
-class FCFS:
-    """First come, first served; preempt the latest arrival (vLLM's default).
-
-    Admission is strict: if the head of the queue does not fit, nothing behind it is
-    admitted that step, so a long prompt is never starved by short ones.
+    Only ``push``, ``pop``, ``remove`` and ``victim`` are required; subclass :class:`Policy`
+    to get all of them from a ``key``.
     """
 
-    name: str = "fcfs"
+    name: str
 
-    def order(self, waiting: Sequence[Request], now: float) -> Sequence[Request]:
-        return waiting  # already in arrival order
+    def push(self, request: RequestView, now: float) -> None: ...
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        return max(candidates, key=lambda r: r.arrival_time)
+    def pop(self, now: float) -> RequestView | None: ...
+
+    def remove(self, request: RequestView) -> None: ...
+
+    def victim(self, candidates: Sequence[RequestView]) -> RequestView: ...
 
 
-SCHEDULING_POLICIES: dict[str, type] = {"fcfs": FCFS}
+@attrs.define(eq=False)
+class SchedulerView:
+    """Read-only facts a policy may consult (given once, through ``attach``)."""
+
+    _kv: KVCacheManager = attrs.field(repr=False)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    _num_waiting: Any = attrs.field(repr=False)  # () -> int
+    _running: Any = attrs.field(repr=False)  # () -> Sequence[RequestView]
+
+    @property
+    def block_size(self) -> int:
+        return self._kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._kv.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached free blocks count as free)."""
+        return self._kv.num_free_blocks
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting()
+
+    @property
+    def running(self) -> Sequence[RequestView]:
+        """Running requests, in admission order."""
+        return self._running()
+
+    def cached_prefix_tokens(self, request: RequestView) -> int:
+        """Tokens of ``request`` (prompt + output so far) a prefix-cache hit would cover now.
+
+        O(length of the hit in blocks); reads the cache without touching eviction order.
+        """
+        return len(self._kv.lookup_prefix(request._request)) * self._kv.block_size
+
+
+# -- the waiting queue behind ``Policy`` ------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class KeyedQueue:
+    """A min-heap of requests by ``(key, seq)`` with O(log n) push/pop and O(1) remove.
+
+    Removal is lazy (the entry is skipped when it reaches the top); the heap is rebuilt when
+    dead entries outnumber live ones, so memory stays O(live).
+    """
+
+    _heap: list[tuple[Any, int, RequestView]] = attrs.field(factory=list)
+    _live: dict[RequestView, int] = attrs.field(factory=dict)  # view -> seq of its entry
+    _next: int = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request: RequestView) -> bool:
+        return request in self._live
+
+    def push(self, request: RequestView, key: Any) -> None:
+        # The request's own arrival order breaks ties, so handing a popped request back
+        # restores its place exactly; a private counter orders equal seqs (tests).
+        tiebreak = (request.seq, self._next)
+        self._next += 1
+        self._live[request] = tiebreak
+        heapq.heappush(self._heap, (key, tiebreak, request))
+
+    def peek(self) -> RequestView | None:
+        heap, live = self._heap, self._live
+        while heap:
+            _, tiebreak, request = heap[0]
+            if live.get(request) == tiebreak:
+                return request
+            heapq.heappop(heap)
+        return None
+
+    def pop(self) -> RequestView | None:
+        request = self.peek()
+        if request is not None:
+            heapq.heappop(self._heap)
+            del self._live[request]
+        return request
+
+    def remove(self, request: RequestView) -> None:
+        if self._live.pop(request, None) is not None and len(self._heap) > 2 * len(self._live) + 64:
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def __iter__(self):
+        """Live requests in no particular order (O(n): for small queues and views)."""
+        return iter(list(self._live))
+
+
+class Policy:
+    """Base class: a policy defined by a static sort key (smallest first).
+
+    ``key(request)`` is read once when the request is queued (arrival, preemption, or hand
+    back), so it must not depend on the time; ties go by arrival order. Everything else has
+    a default: ``victim`` preempts the candidate with the largest key (the one the policy
+    would serve last), running requests keep admission order, and the optional hooks do
+    nothing. Override any of them. The default key is the arrival time (FCFS).
+
+    Example::
+
+        class ShortestJobFirst(Policy):
+            name = "my_sjf"
+
+            def key(self, request):
+                return request.max_tokens
+    """
+
+    name: str = "policy"
+
+    def key(self, request: RequestView) -> Any:
+        return request.arrival_time
+
+    @property
+    def waiting(self) -> KeyedQueue:
+        """This policy's queue (created on first use, so subclasses need no ``__init__``)."""
+        queue = self.__dict__.get("_waiting_queue")
+        if queue is None:
+            queue = self.__dict__["_waiting_queue"] = KeyedQueue()
+        return queue
+
+    def push(self, request: RequestView, now: float) -> None:
+        self.waiting.push(request, self.key(request))
+
+    def pop(self, now: float) -> RequestView | None:
+        return self.waiting.pop()
+
+    def remove(self, request: RequestView) -> None:
+        self.waiting.remove(request)
+
+    def victim(self, candidates: Sequence[RequestView]) -> RequestView:
+        return max(candidates, key=lambda r: (self.key(r), r.seq))
+
+
+# -- the v1 two-method form -----------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class OrderPolicy:
+    """Adapter that runs a v1 policy (``order(waiting, now)`` + ``victim``) on the v2 contract.
+
+    ``order`` sees the waiting requests in arrival order (a list of views it may sort or
+    return as is) and is called at most once per step; popping walks its answer. Its
+    optional ``admit``, ``running_order``, ``preempt_for``, ``on_step`` and ``attach`` are
+    passed through by the scheduler.
+    """
+
+    inner: Any
+    _waiting: list[RequestView] = attrs.field(factory=list)  # arrival order
+    _order: list[RequestView] | None = None
+    _order_now: float | None = None
+    _next: int = 0
+
+    @property
+    def name(self) -> str:
+        return getattr(self.inner, "name", type(self.inner).__name__)
+
+    def push(self, request: RequestView, now: float) -> None:
+        bisect.insort_right(self._waiting, request, key=_arrival_key)
+        self._order = None
+
+    def pop(self, now: float) -> RequestView | None:
+        if self._order is None or self._order_now != now:
+            self._order = list(self.inner.order(list(self._waiting), now))
+            self._order_now, self._next = now, 0
+        while self._next < len(self._order):
+            request = self._order[self._next]
+            self._next += 1
+            if self._discard(request):
+                return request
+        return None
+
+    def remove(self, request: RequestView) -> None:
+        self._discard(request)
+
+    def victim(self, candidates: Sequence[RequestView]) -> RequestView:
+        return self.inner.victim(candidates)
+
+    def _discard(self, request: Any) -> bool:
+        if not isinstance(request, RequestView):
+            return False
+        i = bisect.bisect_left(self._waiting, _arrival_key(request), key=_arrival_key)
+        while i < len(self._waiting) and _arrival_key(self._waiting[i]) == _arrival_key(request):
+            if self._waiting[i] is request:
+                del self._waiting[i]
+                return True
+            i += 1
+        return False
+
+
+def _arrival_key(request: RequestView) -> tuple[float, int]:
+    return (request.arrival_time, request.seq)
+
+
+def as_policy(policy: Any) -> Any:
+    """The object the scheduler drives: ``policy`` itself (v2) or an :class:`OrderPolicy`.
+
+    Raises ``TypeError`` naming the first missing method, so a bad policy fails when the
+    engine is built rather than at its first step.
+    """
+    if isinstance(policy, type):
+        raise TypeError(
+            f"scheduling policy must be an instance, got the class {policy.__name__}; "
+            f"pass {policy.__name__}()"
+        )
+    if all(callable(getattr(policy, m, None)) for m in REQUIRED_METHODS):
+        return policy
+    if callable(getattr(policy, "order", None)):
+        missing = [m for m in LEGACY_METHODS if not callable(getattr(policy, m, None))]
+        if not missing:
+            return OrderPolicy(policy)
+    else:
+        missing = [m for m in REQUIRED_METHODS if not callable(getattr(policy, m, None))]
+    raise TypeError(
+        f"scheduling policy {type(policy).__name__} is missing method {missing[0]!r}: a policy "
+        "defines push/pop/remove/victim (subclass llmlab.scheduler.Policy to get them from "
+        "a key), or order/victim"
+    )
+
+
+def request_of(view: Any) -> Request | None:
+    """The request behind a view a policy handed back, or None if it is not a view."""
+    return view._request if isinstance(view, RequestView) else None
+
+
+def views(requests: Iterable[Request]) -> list[RequestView]:
+    return [r.view for r in requests]

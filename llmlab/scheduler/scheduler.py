@@ -1,19 +1,22 @@
 """The scheduler: continuous batching, chunked prefill, and preemption by recompute.
 
 Each step spends a budget of ``max_num_batched_tokens`` new tokens across at most
-``max_num_seqs`` running requests. Running requests go first, in admission order: a decode
-takes one token, an unfinished prefill takes as much of its prompt as the budget allows
-(chunked prefill, so long prompts share steps with decodes). Whatever budget is left admits
-waiting requests in the policy's order, each starting after its longest cached prefix.
+``max_num_seqs`` running requests. Running requests go first, in the policy's
+``running_order`` (admission order by default): a decode takes one token, an unfinished
+prefill takes as much of its prompt as the budget allows (chunked prefill, so long prompts
+share steps with decodes). Whatever budget is left admits waiting requests in the order the
+policy pops them, each starting after its longest cached prefix.
 
 When the KV cache cannot hold a running request's next tokens, the policy picks a victim
 among the running requests not yet scheduled this step; the victim's blocks are freed and
-it rejoins the waiting queue to be recomputed later (its generated tokens are kept).
+it rejoins the waiting queue to be recomputed later (its generated tokens are kept). A
+policy with ``preempt_for`` may also preempt running requests to admit a waiting one.
 
 Lifecycles are explicit: admission assigns a request the lowest free *row* in
 ``[0, max_num_seqs)``; finishing, preemption and abort release it, and the next batch lists
 the released rows, so executors and attention backends key per-request state on rows and
-are told when it dies.
+are told when it dies. The policy is told too: ``push`` when a request starts waiting,
+``remove`` when one leaves for good, ``on_step`` with what each was served.
 
 User components may raise. A failing policy or eviction policy never leaves the queues or
 the KV pool inconsistent: the scheduler finishes what it was doing in a consistent state,
@@ -22,24 +25,28 @@ records a :class:`~llmlab.errors.ComponentError`, and the engine raises it after
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError, RequestFailedError
-from llmlab.request import Request, RequestStatus
+from llmlab.request import Request, RequestStatus, RequestView
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
-from llmlab.scheduler.policy import FCFS, SchedulingPolicy
+from llmlab.scheduler.policy import (
+    SchedulerView,
+    SchedulingPolicy,
+    Served,
+    as_policy,
+    request_of,
+    views,
+)
+from llmlab.scheduler.policies import FCFS
 
-# What ``_call_policy`` returns when the policy raised (None may be a legitimate answer).
+# What ``_call`` returns when the policy raised (None may be a legitimate answer).
 _FAILED = object()
-
-
-def _arrival(request: Request) -> float:
-    return request.arrival_time
 
 
 @attrs.define
@@ -47,7 +54,8 @@ class Scheduler:
     """Continuous-batching scheduler (mechanism); decisions go to ``policy``.
 
     Attributes:
-        waiting: requests not running, in arrival order (ties: order of queueing).
+        policy: the scheduling policy as given (a v1 ``order``/``victim`` policy is driven
+            through :class:`~llmlab.scheduler.policy.OrderPolicy`).
         running: admitted requests, in admission order.
         chunked_prefill: split prompts across steps; when False a prompt is admitted only
             when its whole remaining prefill fits the step's budget.
@@ -59,24 +67,51 @@ class Scheduler:
     max_model_len: int
     policy: SchedulingPolicy = attrs.field(factory=FCFS)
     chunked_prefill: bool = True
-    waiting: list[Request] = attrs.field(factory=list)
     running: list[Request] = attrs.field(factory=list)
+    # Requests waiting (queued in the policy, or popped during this step's admission).
+    _waiting: dict[str, Request] = attrs.field(init=False, factory=dict)
+    # Waiting requests whose ``push`` raised: pushed again at the next step, never lost.
+    _unqueued: list[Request] = attrs.field(init=False, factory=list)
+    _driver: Any = attrs.field(init=False)
     _free_rows: list[int] = attrs.field(init=False)  # a heap: lowest row first
     _released_rows: list[int] = attrs.field(init=False, factory=list)
     _errors: list[Exception] = attrs.field(init=False, factory=list)
+    _next_seq: int = attrs.field(init=False, default=0)
+    _now: float = attrs.field(init=False, default=0.0)  # the last step's schedule time
 
     def __attrs_post_init__(self) -> None:
         self._free_rows = list(range(self.max_num_seqs))
+        self._driver = as_policy(self.policy)
+        attach = self._optional("attach")
+        if attach is not None:
+            view = SchedulerView(
+                self.kv, self.max_num_seqs, self.max_num_batched_tokens,
+                lambda: len(self._waiting), lambda: views(self.running),
+            )
+            attach(view)  # at build time: a failure here is the builder's error
 
     # -- queues ------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        """Queue a new request (the engine validated it)."""
         request.status = RequestStatus.WAITING
-        bisect.insort_right(self.waiting, request, key=_arrival)
+        request.seq = self._next_seq
+        self._next_seq += 1
+        self._waiting[request.request_id] = request
+        self._push(request, request.arrival_time)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests in arrival order (a copy, O(n log n): for views and tests)."""
+        return sorted(self._waiting.values(), key=lambda r: (r.arrival_time, r.seq))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self._waiting) + len(self.running)
 
     def take_errors(self) -> list[Exception]:
         """Errors recorded since the last call (component failures, requests failed)."""
@@ -86,15 +121,20 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self, now: float) -> ScheduledBatch:
+        self._now = now
+        if self._unqueued:
+            stranded, self._unqueued = self._unqueued, []
+            for request in stranded:
+                self._push(request, now)
         budget = self.max_num_batched_tokens
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
 
-        unscheduled = list(self.running)
-        while unscheduled and budget > 0:
+        unscheduled = self._running_order(now)
+        while unscheduled is not None and unscheduled and budget > 0:
             request = unscheduled.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            scheduled = self._grow(request, num_new, unscheduled, preempted)
+            scheduled = self._grow(request, num_new, unscheduled, preempted, now)
             if scheduled is None:  # a component failed: stop scheduling this step
                 break
             if scheduled:
@@ -103,7 +143,7 @@ class Scheduler:
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
-            self._admit(entries, budget, now)
+            self._admit(entries, budget, preempted, now)
         freed, self._released_rows = tuple(self._released_rows), []
         return ScheduledBatch(
             entries=tuple(entries),
@@ -112,8 +152,29 @@ class Scheduler:
             block_copies=tuple(self.kv.take_block_copies()),
         )
 
+    def _running_order(self, now: float) -> list[Request] | None:
+        """Running requests in the order they get budget; None if the policy failed."""
+        order = self._optional("running_order")
+        if order is None or not self.running:
+            return list(self.running)
+        answer = self._call("running_order", views(self.running), now)
+        if answer is _FAILED:
+            return None
+        ordered = [request_of(v) for v in answer]
+        if len(ordered) != len(self.running) or {id(r) for r in ordered} != {
+            id(r) for r in self.running
+        }:
+            self._bad_answer("running_order", answer, "a reordering of the running requests")
+            return None
+        return ordered
+
     def _grow(
-        self, request: Request, num_new: int, unscheduled: list[Request], preempted: list[str]
+        self,
+        request: Request,
+        num_new: int,
+        unscheduled: list[Request],
+        preempted: list[str],
+        now: float,
     ) -> bool | None:
         """Reserve KV for a running request's next tokens, preempting as the policy says.
 
@@ -127,70 +188,124 @@ class Scheduler:
                 self._errors.append(err)
                 return None
             candidates = [request, *unscheduled]
-            victim = self._call_policy("victim", candidates)
-            if victim is _FAILED:
+            answer = self._call("victim", views(candidates))
+            if answer is _FAILED:
                 return None
+            victim = request_of(answer)
             if not any(victim is c for c in candidates):
-                self._errors.append(
-                    ComponentError(
-                        "scheduling policy", self.policy, "victim",
-                        f"returned {victim!r}, which is not one of the candidates",
-                    )
-                )
+                self._bad_answer("victim", answer, "one of the candidates")
                 return None
             if victim is request and len(self.running) == 1:
                 # Alone in the engine and still out of room: it can never run.
                 self._fail(request, self._too_big(request, request.num_computed_tokens + num_new))
                 return False
-            self._preempt(victim)
+            self._preempt(victim, now)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
             unscheduled.remove(victim)
 
-    def _admit(self, entries: list[ScheduledRequest], budget: int, now: float) -> None:
-        ordered = self._call_policy("order", self.waiting, now)
-        if ordered is _FAILED:
-            return
-        admit = getattr(self.policy, "admit", None)  # optional third decision
-        admitted: list[Request] = []
-        for request in ordered:
-            if budget <= 0 or not self._free_rows:
+    def _admit(
+        self, entries: list[ScheduledRequest], budget: int, preempted: list[str], now: float
+    ) -> None:
+        admit = self._optional("admit")
+        preempt_for = self._optional("preempt_for")
+        handed_back: list[Request] = []  # popped, not admitted: pushed back at the end
+        admitted_now: set[int] = set()
+        while budget > 0 and self._waiting:
+            if not self._free_rows and preempt_for is None:
+                break
+            answer = self._call("pop", now)
+            if answer is _FAILED or answer is None:
+                break
+            request = request_of(answer)
+            if request is None or self._waiting.get(request.request_id) is not request:
+                if request is None:
+                    self._bad_answer("pop", answer, "a waiting request or None")
+                    break
+                continue  # a request that left (e.g. aborted) while still in its queue
+            if request.request_id in preempted:
+                handed_back.append(request)  # not back in the step that preempted it
                 break
             if admit is not None:
-                verdict = self._call_policy("admit", request, budget)
+                verdict = self._call("admit", request.view, budget)
                 if verdict is _FAILED:
+                    handed_back.append(request)
                     break
                 if not verdict:
+                    handed_back.append(request)
                     continue
+            placed = self._place(
+                request, entries, budget, preempted, admitted_now, preempt_for, now
+            )
+            if placed is None:  # does not fit now (or a component failed)
+                handed_back.append(request)
+                break
+            if placed:
+                admitted_now.add(id(request))
+            # Recounted: preempting for this request may have dropped entries of this step.
+            budget = self.max_num_batched_tokens - sum(e.num_new_tokens for e in entries)
+        for request in handed_back:
+            self._push(request, now)
+
+    def _place(
+        self,
+        request: Request,
+        entries: list[ScheduledRequest],
+        budget: int,
+        preempted: list[str],
+        admitted_now: set[int],
+        preempt_for,
+        now: float,
+    ) -> bool | None:
+        """Admit one popped request: True admitted, False failed for good, None handed back."""
+        while True:
             prefix = self.kv.lookup_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             if not self.chunked_prefill and remaining > budget:
-                break
+                return None
             num_new = min(remaining, budget)
-            try:
-                allocated = self.kv.allocate(request, num_new, prefix)
-            except ComponentError as err:
-                self._errors.append(err)
+            allocated = False
+            if self._free_rows:
+                try:
+                    allocated = self.kv.allocate(request, num_new, prefix)
+                except ComponentError as err:
+                    self._errors.append(err)
+                    return None
+            if allocated:
                 break
-            if not allocated:
-                if not self.running and not entries:
-                    # Nothing holds blocks, so the whole pool was on offer: it never fits.
-                    self._fail(request, self._too_big(request, num_cached + num_new))
-                    continue
-                break
-            request.num_computed_tokens = num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            request.row = heapq.heappop(self._free_rows)
-            self.running.append(request)
-            admitted.append(request)
-            entries.append(self._entry(request, num_new, new_row=True))
-            budget -= num_new
-        self._remove_waiting(admitted)
-
+            if self._free_rows and not self.running and not entries:
+                # Nothing holds blocks, so the whole pool was on offer: it never fits.
+                self._fail(request, self._too_big(request, num_cached + num_new))
+                return False
+            # Out of blocks or rows: the policy may preempt a running request for it.
+            candidates = [r for r in self.running if id(r) not in admitted_now]
+            if preempt_for is None or not candidates:
+                return None
+            answer = self._call("preempt_for", request.view, views(candidates))
+            if answer is _FAILED or answer is None:
+                return None
+            victim = request_of(answer)
+            if not any(victim is c for c in candidates):
+                self._bad_answer("preempt_for", answer, "one of the running candidates or None")
+                return None
+            for i, entry in enumerate(entries):
+                if entry.request is victim:
+                    del entries[i]
+                    budget += entry.num_new_tokens
+                    break
+            self._preempt(victim, now)
+            preempted.append(victim.request_id)
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        request.row = heapq.heappop(self._free_rows)
+        del self._waiting[request.request_id]
+        self.running.append(request)
+        entries.append(self._entry(request, num_new, new_row=True))
+        return True
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
@@ -204,21 +319,12 @@ class Scheduler:
             new_row=new_row,
         )
 
-    def _remove_waiting(self, admitted: list[Request]) -> None:
-        if not admitted:
-            return
-        k = len(admitted)
-        if all(a is w for a, w in zip(admitted, self.waiting[:k])):
-            del self.waiting[:k]  # the usual case (FCFS): admitted from the head
-        else:
-            gone = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in gone]
-
     def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
         """Advance the batch's requests; append their new tokens; return those that finished.
 
         Tokens of an entry are appended in order until one ends the request; the rest are
-        dropped (so a verifier or a multi-token step can overshoot safely).
+        dropped (so a verifier or a multi-token step can overshoot safely). Then the policy
+        hears what each request was served (``on_step``) and which finished (``remove``).
         """
         if len(output.token_ids) != len(batch.entries) or len(output.logprobs) != len(
             batch.entries
@@ -227,20 +333,34 @@ class Scheduler:
                 f"executor returned {len(output.token_ids)} token lists and "
                 f"{len(output.logprobs)} logprob lists for {len(batch.entries)} entries"
             )
+        on_step = self._optional("on_step")
+        served: list[Served] = []
         finished = []
         for entry, token_ids, logprobs in zip(batch.entries, output.token_ids, output.logprobs):
             request = entry.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = entry.start + len(entry.token_ids)
+            end = entry.start + len(entry.token_ids)
+            request.num_computed_tokens = end
+            prompt_end = min(end, request.num_prompt_tokens)
+            new_prompt = max(0, prompt_end - max(entry.start, request.num_prompt_computed))
+            request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
             self.kv.cache_computed_blocks(request)
+            num_generated = 0
             for token_id, logprob in zip(token_ids, logprobs, strict=True):
                 request.append_output(token_id, logprob)
+                num_generated += 1
                 status = self._stop_status(request, token_id)
                 if status is not None:
                     self._finish(request, status)
                     finished.append(request)
                     break
+            if on_step is not None:
+                served.append(Served(request.view, len(entry.token_ids), new_prompt, num_generated))
+        if on_step is not None and served:
+            self._call("on_step", tuple(served), self._now)
+        for request in finished:
+            self._forget(request)
         return finished
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -271,14 +391,15 @@ class Scheduler:
         except ComponentError as err:  # the pool is consistent; report after the step
             self._errors.append(err)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, now: float) -> None:
         self.running.remove(request)
         self._release_row(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        bisect.insort_right(self.waiting, request, key=_arrival)
         self._free_blocks(request)
+        self._waiting[request.request_id] = request
+        self._push(request, now)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.running.remove(request)
@@ -290,13 +411,13 @@ class Scheduler:
         """End a request that can never be scheduled (aborted, with ``error`` set)."""
         if request in self.running:
             self.running.remove(request)
-        else:
-            self.waiting = [r for r in self.waiting if r is not request]
+        self._waiting.pop(request.request_id, None)
         self._release_row(request)
         request.status = RequestStatus.FINISHED_ABORTED
         request.error = reason
         self._free_blocks(request)
         self._errors.append(RequestFailedError(request.request_id, reason))
+        self._forget(request)
 
     def _too_big(self, request: Request, num_tokens: int) -> str:
         needed = self.kv.blocks_needed(num_tokens)
@@ -309,26 +430,51 @@ class Scheduler:
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Remove the given requests wherever they are; frees their blocks and rows."""
         ids = set(request_ids)
-        aborted = []
-        for queue in (self.waiting, self.running):
-            hits = [r for r in queue if r.request_id in ids]
-            if not hits:
-                continue
+        aborted = [self._waiting.pop(i) for i in ids if i in self._waiting]
+        hits = [r for r in self.running if r.request_id in ids]
+        if hits:
             gone = {id(r) for r in hits}
-            queue[:] = [r for r in queue if id(r) not in gone]
-            for request in hits:
-                self._release_row(request)
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free_blocks(request)
-                aborted.append(request)
+            self.running = [r for r in self.running if id(r) not in gone]
+            aborted.extend(hits)
+        for request in aborted:
+            self._release_row(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_blocks(request)
+            if request in self._unqueued:
+                self._unqueued.remove(request)
+            self._forget(request)
         return aborted
 
     # -- user policy calls -------------------------------------------------------------
 
-    def _call_policy(self, method: str, *args):
+    def _push(self, request: Request, now: float) -> None:
+        """Queue a waiting request in the policy; if that fails, keep it for the next step."""
+        if self._call("push", request.view, now) is _FAILED:
+            self._unqueued.append(request)
+
+    def _forget(self, request: Request) -> None:
+        """Tell the policy a request is gone for good (its queue entry, if any, too)."""
+        self._call("remove", request.view)
+
+    def _optional(self, method: str):
+        """The policy's optional ``method`` (looked up on the policy as given, too)."""
+        found = getattr(self._driver, method, None)
+        if found is None and self._driver is not self.policy:
+            found = getattr(self.policy, method, None)
+        return found if callable(found) else None
+
+    def _call(self, method: str, *args):
         """``policy.method(*args)``, or ``_FAILED`` (with the error recorded) if it raises."""
         try:
-            return getattr(self.policy, method)(*args)
+            return self._optional(method)(*args)
         except Exception as err:  # noqa: BLE001 - user code; reported after the step
             self._errors.append(ComponentError.wrap("scheduling policy", self.policy, method, err))
             return _FAILED
+
+    def _bad_answer(self, method: str, answer: object, allowed: str) -> None:
+        self._errors.append(
+            ComponentError(
+                "scheduling policy", self.policy, method,
+                f"returned {answer!r}, which is not {allowed}",
+            )
+        )

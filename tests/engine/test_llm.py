@@ -256,7 +256,7 @@ def test_components_by_registered_name(tiny_llama):
 
     llm = LLM(tiny_llama, eviction_policy="fifo", scheduling_policy="fcfs", attention_backend="torch")
     assert isinstance(llm.llm_engine.kv_cache.eviction, FIFOEviction)
-    with pytest.raises(ValueError, match="unknown eviction_policy 'mru'; choose one of fifo, lru, random"):
+    with pytest.raises(ValueError, match="unknown eviction_policy 'mru'; available: lru, fifo, random"):
         LLM(tiny_llama, eviction_policy="mru")
 
 

@@ -76,9 +76,9 @@ def test_priority_is_accepted_per_prompt(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", scheduling_policy=Recorder())
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[3, -1], use_tqdm=False)
     assert len(outs) == 2 and seen[:2] == [3, -1]
-    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+    with pytest.raises(ValueError, match="got 1 values for priority but 2 prompts"):
         llm.generate(["a", "b"], priority=[1], use_tqdm=False)
-    with pytest.raises(TypeError, match="priority"):
+    with pytest.raises(ValueError, match=r"priority\[0\] must be an int, got float 1.5"):
         llm.generate(["a"], priority=[1.5], use_tqdm=False)
 
 

@@ -1,0 +1,137 @@
+"""Names for components, so a class can be picked by name from ``LLM``, the CLI or a server.
+
+    from llmlab import register
+    from llmlab.scheduler import Policy
+
+    @register("scheduling_policy", "longest_first")
+    class LongestFirst(Policy):
+        \"\"\"Admit the longest prompt first.\"\"\"
+        def key(self, request):
+            return -request.num_prompt_tokens
+
+    LLM(model, scheduling_policy="longest_first")
+    # llmlab generate "Hi" --scheduling-policy longest_first   (once the module is imported)
+
+A name may also be an import path, ``"package.module:Class"``: the command line imports the
+module (which may register more names) and instantiates the class with no arguments.
+``llmlab components`` lists every registered name with the first line of its docstring.
+
+Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``. The registry maps
+names to *factories* (usually classes) called with no arguments; each engine gets fresh
+instances, so no state is shared between engines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+KINDS: dict[str, str] = {
+    "scheduling_policy": "llmlab.scheduler.policies",
+    "eviction_policy": "llmlab.cache.eviction",
+    "attention_backend": "llmlab.attention",
+}
+"""Each kind, and the module whose import registers its built-ins."""
+
+_TABLES: dict[str, dict[str, Callable[[], Any]]] = {kind: {} for kind in KINDS}
+
+T = TypeVar("T")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def table(kind: str) -> dict[str, Callable[[], Any]]:
+    """The live name -> factory mapping of ``kind`` (built-ins are registered on import)."""
+    _check_kind(kind)
+    return _TABLES[kind]
+
+
+def register(kind: str, name: str | None = None) -> Callable[[T], T]:
+    """Class decorator: make ``cls`` available as ``name`` (default: its ``name`` attribute).
+
+    Registering the same name again with a class of the same module and qualified name
+    replaces it (re-running a notebook cell); another class under a taken name is an error.
+    """
+    _check_kind(kind)
+
+    def decorate(factory: T) -> T:
+        key = name if name is not None else getattr(factory, "name", None)
+        if not isinstance(key, str) or not key:
+            raise ValueError(
+                f"register({kind!r}) needs a name: pass one, or give {factory!r} a str "
+                "`name` attribute"
+            )
+        if ":" in key:
+            raise ValueError(f"component name {key!r} must not contain ':' (import paths do)")
+        entries = _TABLES[kind]
+        old = entries.get(key)
+        if old is not None and _qualname(old) != _qualname(factory):
+            raise ValueError(
+                f"{kind} name {key!r} is taken by {_qualname(old)}; pick another name"
+            )
+        entries[key] = factory
+        return factory
+
+    return decorate
+
+
+def available(kind: str) -> list[str]:
+    """Registered names of ``kind``, built-ins included, in registration order."""
+    _load_builtins(kind)
+    return list(_TABLES[kind])
+
+
+def resolve(kind: str, name: str) -> Callable[[], Any]:
+    """The factory registered as ``name``, or imported from ``"module:attr"``.
+
+    Raises ``ValueError`` naming the available names when there is no such component.
+    """
+    _load_builtins(kind)
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
+    entries = _TABLES[kind]
+    if name in entries:
+        return entries[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"{kind} {name!r}: cannot import {module_name!r} ({err})") from err
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            raise ValueError(f"{kind} {name!r}: module {module_name!r} has no {attr!r}") from None
+    raise ValueError(
+        f"unknown {kind} {name!r}; available: {', '.join(entries)} "
+        "(or 'package.module:Class')"
+    )
+
+
+def create(kind: str, name: str) -> Any:
+    """A fresh instance of the component named ``name`` (see :func:`resolve`)."""
+    return resolve(kind, name)()
+
+
+def describe(kind: str | None = None) -> list[tuple[str, str, str]]:
+    """``(kind, name, one-line doc)`` for every registered component (of ``kind``)."""
+    rows = []
+    for k in [kind] if kind is not None else list(KINDS):
+        for name in available(k):
+            doc = inspect.getdoc(_TABLES[k][name]) or ""
+            rows.append((k, name, doc.strip().split("\n")[0]))
+    return rows
+
+
+def _load_builtins(kind: str) -> None:
+    _check_kind(kind)
+    importlib.import_module(KINDS[kind])
+
+
+def _qualname(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
