@@ -178,12 +178,19 @@ def _per_prompt(field: str, values: Any, n: int, check, allowed: str) -> list:
     """A list with one entry per prompt, or ValueError naming the field (type errors too:
     a wrong list is one mistake, whatever is wrong with it, and nothing gets queued)."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
-        raise ValueError(f"{field} must be a list with one entry per prompt, got {values!r}")
+        # ValueError, not TypeError: every way a per-prompt list can be wrong is one error.
+        raise ValueError(  # noqa: TRY004
+            f"{field} must be a list with one entry per prompt, got {values!r}"
+        )
     if len(values) != n:
-        raise ValueError(f"got {len(values)} values for {field} but {n} prompts; pass one per prompt")
+        raise ValueError(
+            f"got {len(values)} values for {field} but {n} prompts; pass one per prompt"
+        )
     for i, value in enumerate(values):
         if not check(value):
-            raise ValueError(f"{field}[{i}] must be {allowed}, got {type(value).__name__} {value!r}")
+            raise ValueError(
+                f"{field}[{i}] must be {allowed}, got {type(value).__name__} {value!r}"
+            )
     return list(values)
 
 

@@ -123,9 +123,15 @@ def describe(kind: str | None = None) -> list[tuple[str, str, str]]:
     rows = []
     for k in [kind] if kind is not None else list(KINDS):
         for name in available(k):
-            doc = inspect.getdoc(_TABLES[k][name]) or ""
-            rows.append((k, name, doc.strip().split("\n")[0]))
+            rows.append((k, name, _summary(inspect.getdoc(_TABLES[k][name]) or "")))
     return rows
+
+
+def _summary(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
 
 
 def _load_builtins(kind: str) -> None:

@@ -55,7 +55,9 @@ class FCFS(Policy):
 @register("scheduling_policy", "priority")
 @attrs.define(eq=False)
 class PriorityPolicy(Policy):
-    """Lowest ``priority`` value first, ties by arrival (vLLM's ``scheduling_policy="priority"``).
+    """Lowest ``priority`` value first, ties by arrival; preempts the lowest priority.
+
+    Source: vLLM's ``scheduling_policy="priority"`` (same order and victim).
 
     As in vLLM, the victim when blocks run out is the running request with the largest
     ``(priority, arrival)``, i.e. the lowest priority and, among equals, the latest arrival.
@@ -93,9 +95,11 @@ def _aged(length: float, request: RequestView, aging: float) -> float:
 @register("scheduling_policy", "spf")
 @attrs.define(eq=False)
 class ShortestPromptFirst(Policy):
-    """Shortest prompt first: cheapest prefill first, which minimizes mean time to first
-    token when prompts dominate (shortest-processing-time rule, Smith 1956, applied to the
-    prefill phase as in prompt-length-aware LLM schedulers).
+    """Shortest prompt first, with optional linear aging against starvation.
+
+    The cheapest prefill goes first, which minimizes mean time to first token when prompts
+    dominate: the shortest-processing-time rule (Smith, "Various optimizers for single-stage
+    production", Naval Research Logistics Quarterly, 1956) applied to the prefill phase.
 
     ``aging`` (tokens per second of waiting, default 0) bounds starvation: a request of
     prompt length L is admitted before any request arriving more than L/aging seconds after
@@ -112,10 +116,11 @@ class ShortestPromptFirst(Policy):
 @register("scheduling_policy", "sjf")
 @attrs.define(eq=False)
 class ShortestJobFirst(Policy):
-    """Shortest job first by remaining output length: ``max_tokens``, or what ``predictor``
-    says (Fu et al., "Efficient LLM Scheduling by Learning to Rank", NeurIPS 2024; Qiu et
-    al., "Efficient Interactive LLM Serving with Proxy Model-based Sequence Length
-    Prediction", 2024, whose SSJF uses a small model as predictor).
+    """Shortest job first, by remaining output length (``max_tokens`` or a predictor).
+
+    Sources: Fu et al., "Efficient LLM Scheduling by Learning to Rank", NeurIPS 2024; Qiu
+    et al., "Efficient Interactive LLM Serving with Proxy Model-based Sequence Length
+    Prediction", 2024 (SSJF, with a small model as the predictor).
 
     ``predictor(request) -> float`` is called once per request (its answer is kept); it sees
     a read-only view (prompt tokens, sampling params, user). A request without
@@ -150,13 +155,14 @@ class ShortestJobFirst(Policy):
 @register("scheduling_policy", "fair")
 @attrs.define(eq=False)
 class VirtualTokenCounter(Policy):
-    """Fair sharing between users: Virtual Token Counter (Sheng et al., "Fairness in
-    Serving Large Language Models", OSDI 2024).
+    """Fair sharing of service between users: the Virtual Token Counter (VTC).
+
+    Source: Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024.
 
     Each user (``request.user``; None is one more user) has a counter of the service it
-    received: ``input_weight`` per prompt token, charged when a request is first popped for
-    admission, plus ``output_weight`` per generated token, charged as tokens come out
-    (``on_step``). Admission pops the oldest request of the waiting user with the smallest
+    received: ``input_weight`` per prompt token it will compute (prefix-cache hits are not
+    service), charged when a request is first popped for admission, plus ``output_weight``
+    per generated token, charged as tokens come out (``on_step``). Admission pops the oldest request of the waiting user with the smallest
     counter. When a user starts waiting again after an idle spell its counter is lifted to
     the smallest counter among waiting users (or to the counter of the last user whose
     queue emptied, if none wait), so idling earns no credit. The paper proves the service
@@ -180,6 +186,10 @@ class VirtualTokenCounter(Policy):
     _version: dict[Any, int] = attrs.field(factory=dict, repr=False)
     _charged: set[RequestView] = attrs.field(factory=set, repr=False)
     _last_left: float = attrs.field(default=0.0, repr=False)
+    _cache: SchedulerView | None = attrs.field(default=None, repr=False)
+
+    def attach(self, view: SchedulerView) -> None:
+        self._cache = view
 
     def push(self, request: RequestView, now: float) -> None:
         user = request.user
@@ -199,14 +209,19 @@ class VirtualTokenCounter(Policy):
             queue.push(request, request.arrival_time)
 
     def pop(self, now: float) -> RequestView | None:
-        user = self._min_waiting_user()
-        if user is None:
+        number = self._min_waiting_user()
+        if number is None:
             return None
+        user = self._user_of[number]  # may be None: requests without a user share one
         queue = self._queues[user]
         request = queue.pop()
         if request not in self._charged:
+            # The prompt tokens it will compute: a prefix-cache hit is not service (the
+            # engine's metrics do not count it either).
             self._charged.add(request)
-            self.counters[user] += self.input_weight * request.num_prompt_tokens
+            hit = self._cache.cached_prefix_tokens(request) if self._cache is not None else 0
+            computed = max(request.num_prompt_tokens - hit, 0)
+            self.counters[user] += self.input_weight * computed
         self._after_change(user)
         return request
 
@@ -256,24 +271,27 @@ class VirtualTokenCounter(Policy):
         user = self._user_of[entry[1]]
         return self._version.get(user) == entry[2] and bool(self._queues[user])
 
-    def _min_waiting_user(self) -> Any:
+    def _min_waiting_user(self) -> int | None:
+        """The number of the waiting user with the smallest counter (None: nobody waits)."""
         heap = self._heap
         while heap:
             if self._is_current(heap[0]):
-                return self._user_of[heap[0][1]]
+                return heap[0][1]
             heapq.heappop(heap)
         return None
 
     def _min_waiting_counter(self) -> float | None:
-        user = self._min_waiting_user()
-        return None if user is None else self.counters[user]
+        number = self._min_waiting_user()
+        return None if number is None else self.counters[self._user_of[number]]
 
 
 @register("scheduling_policy", "cache_aware")
 @attrs.define(eq=False)
 class CacheAware(Policy):
-    """Longest cached prefix first: SGLang's longest-prefix-match (LPM) policy (Zheng et al.,
-    "SGLang: Efficient Execution of Structured Language Model Programs", NeurIPS 2024).
+    """Longest cached prefix first (SGLang's LPM), FCFS when the queue is long.
+
+    Source: Zheng et al., "SGLang: Efficient Execution of Structured Language Model
+    Programs", NeurIPS 2024 (the longest-prefix-match policy).
 
     Admitting the request with the most of its prompt already in the prefix cache first
     raises the hit rate: its blocks are reused before eviction can take them. Each step,
@@ -318,8 +336,9 @@ class CacheAware(Policy):
 @register("scheduling_policy", "mlfq")
 @attrs.define(eq=False)
 class SkipJoinMLFQ(Policy):
-    """Skip-join multi-level feedback queue, after FastServe (Wu et al., "Fast Distributed
-    Inference Serving for Large Language Models", 2023).
+    """Skip-join multi-level feedback queue, after FastServe.
+
+    Source: Wu et al., "Fast Distributed Inference Serving for Large Language Models", 2023.
 
     Level i has a quantum of ``base_quantum * 2**i`` served tokens. A new request *skips*
     straight to the first level whose quantum covers its prompt (its first iteration), so

@@ -33,9 +33,11 @@ import attrs
 
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError, RequestFailedError
-from llmlab.request import Request, RequestStatus, RequestView
+from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import (
+    OrderPolicy,
     SchedulerView,
     SchedulingPolicy,
     Served,
@@ -43,7 +45,6 @@ from llmlab.scheduler.policy import (
     request_of,
     views,
 )
-from llmlab.scheduler.policies import FCFS
 
 # What ``_call`` returns when the policy raised (None may be a legitimate answer).
 _FAILED = object()
@@ -216,7 +217,18 @@ class Scheduler:
             if not self._free_rows and preempt_for is None:
                 break
             answer = self._call("pop", now)
-            if answer is _FAILED or answer is None:
+            if answer is _FAILED:
+                break
+            if answer is None:
+                lost = len(self._waiting) > len(self._unqueued) and not isinstance(
+                    self._driver, OrderPolicy  # a v1 ``order`` may hold requests back
+                )
+                if lost and not handed_back and not admitted_now:
+                    # Every waiting request was pushed and none popped yet: the policy lost
+                    # some, and they would wait forever.
+                    self._bad_answer(
+                        "pop", None, f"a request while {len(self._waiting)} are waiting"
+                    )
                 break
             request = request_of(answer)
             if request is None or self._waiting.get(request.request_id) is not request:

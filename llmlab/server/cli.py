@@ -1,7 +1,8 @@
 """The ``llmlab`` command line.
 
     llmlab generate "Hello, my name is" --max-tokens 32 --temperature 0.8
-    llmlab generate "Hello" --model Qwen/Qwen3-0.6B
+    llmlab generate "Hello" --model Qwen/Qwen3-0.6B --scheduling-policy fair
+    llmlab components            # every registered policy and backend, with its one-line doc
 
 Without ``--model`` it runs llmlab's built-in tiny model (random weights, built locally on
 first use), so the command works on an offline machine; its text is gibberish.
@@ -26,9 +27,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--scheduling-policy", default="fcfs", help="registered name, e.g. fcfs")
-    parser.add_argument("--eviction-policy", default="lru", help="lru, fifo or random")
-    parser.add_argument("--attention-backend", default="torch")
+    names = "a registered name (see `llmlab components`) or package.module:Class"
+    parser.add_argument("--scheduling-policy", default="fcfs", help=f"{names}; default fcfs")
+    parser.add_argument("--eviction-policy", default="lru", help=f"{names}; default lru")
+    parser.add_argument("--attention-backend", default="torch", help=f"{names}; default torch")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +97,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _components(args: argparse.Namespace) -> int:
+    from llmlab import registry
+
+    try:
+        rows = registry.describe(args.kind)
+    except ValueError as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    width = max(len(name) for _, name, _ in rows)
+    kind = None
+    for row_kind, name, doc in rows:
+        if row_kind != kind:
+            print(f"{'' if kind is None else chr(10)}{row_kind}:")
+            kind = row_kind
+        print(f"  {name:<{width}}  {doc}")
+    return 0
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -111,9 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     _add_engine_args(gen)
     _add_sampling_args(gen)
+    comps = commands.add_parser(
+        "components", help="list registered components (policies, backends)", allow_abbrev=False
+    )
+    comps.add_argument(
+        "kind", nargs="?", default=None,
+        help="scheduling_policy, eviction_policy or attention_backend (default: all)",
+    )
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "components":
+        return _components(args)
     return 1  # unreachable: argparse rejects unknown commands
 
 

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from llmlab.server.cli import main
+
 
 def run_cli(args, cache_dir):
     exe = shutil.which("llmlab")
@@ -55,3 +57,27 @@ def test_a_bad_model_path_is_one_error_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "missing" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_components_lists_every_registered_name_with_its_summary(capsys):
+    from llmlab import registry
+
+    assert main(["components"]) == 0
+    out = capsys.readouterr().out
+    for kind in registry.KINDS:
+        assert f"{kind}:" in out
+        for name in registry.available(kind):
+            assert f"  {name} " in out
+    assert "Virtual Token Counter" in out
+    assert main(["components", "eviction_policy"]) == 0
+    assert "scheduling_policy" not in capsys.readouterr().out
+    assert main(["components", "nope"]) == 2
+    assert "unknown component kind 'nope'" in capsys.readouterr().err
+
+
+def test_a_policy_can_be_named_by_import_path(tiny_llama, capsys):
+    rc = main(["generate", "Hi", "--model", tiny_llama, "--max-tokens", "2",
+               "--scheduling-policy", "llmlab.scheduler.policies:ShortestPromptFirst"])
+    assert rc == 0 and "Completion:" in capsys.readouterr().out
+    rc = main(["generate", "Hi", "--model", tiny_llama, "--scheduling-policy", "no.such:Thing"])
+    assert rc == 2 and "cannot import 'no.such'" in capsys.readouterr().err
