@@ -8,7 +8,6 @@ from llmlab.attention.backend import (
     token_slots,
 )
 from llmlab.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
-
 from llmlab.registry import register, table
 
 register("attention_backend", "torch")(TorchPagedAttention)

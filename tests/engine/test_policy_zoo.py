@@ -12,7 +12,6 @@ from llmlab import LLM, Policy, SamplingParams, register, registry
 from llmlab.server.cli import main as cli_main
 
 
-
 def builtin(kind):
     return [n for n in registry.available(kind) if registry.resolve(kind, n).__module__.startswith("llmlab.")]
 
@@ -134,7 +133,7 @@ def test_unknown_policy_names_list_the_available_ones(tiny_llama):
 
 
 def test_a_policy_missing_a_method_fails_at_build_time(tiny_llama, monkeypatch):
-    import llmlab.engine.builder as builder
+    from llmlab.engine import builder
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the policy was checked")
