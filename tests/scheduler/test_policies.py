@@ -384,3 +384,34 @@ def test_a_policy_that_loses_waiting_requests_is_reported_not_spun_on():
     assert batch.is_empty and len(errors) == 1 and "pop" in str(errors[0])
     assert sched.num_waiting == 1  # still accounted for; abort works
     assert [r.request_id for r in sched.abort([sched.waiting[0].request_id])]
+
+
+def _doc_block(starts_with):
+    import pathlib
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "components.md").read_text()
+    blocks = [b.split("```")[0] for b in text.split("```python\n")[1:]]
+    return next(b for b in blocks if b.startswith(starts_with))
+
+
+def test_the_worked_examples_in_docs_components_run():
+    namespace = {}
+    exec(_doc_block("import bisect"), namespace)
+    policy = namespace["RoundRobinUsers"]()
+    sched = make_scheduler(policy, max_num_seqs=1)
+    reqs = []
+    for i, user in enumerate(["a", "a", "a", "b", "b"]):
+        r = make_request(range(4), max_tokens=1, arrival=i, request_id=f"{user}{i}")
+        r.user = user
+        reqs.append(r)
+        sched.add(r)
+    order = []
+    while sched.num_unfinished:
+        order += [e.request_id for e in step(sched, float(len(order))).entries if e.new_row]
+    assert order == ["a0", "b3", "a1", "b4", "a2"]
+
+    exec(_doc_block("from llmlab import register\n\n@register(\"eviction_policy\""), namespace)
+    mru = namespace["MostRecentlyFreed"]()
+    mru.on_free([1, 2, 3])
+    mru.on_hit([3])
+    mru.on_free([4])
+    assert mru.evict(2) == [4, 2]

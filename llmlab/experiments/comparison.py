@@ -1,0 +1,461 @@
+"""Run one workload through several engine configurations and compare them.
+
+    comparison = compare(workload, {
+        "fcfs+lru": {"scheduling_policy": "fcfs", "eviction_policy": "lru"},
+        "fcfs+fifo": {"scheduling_policy": "fcfs", "eviction_policy": "fifo"},
+    }, model=path, engine_kwargs={"dtype": "float32", "num_gpu_blocks_override": 64})
+    comparison.table        # one row of metrics per configuration
+    comparison.figure()     # one bar chart per key metric
+
+Each configuration gets a fresh engine (the same seed unless a configuration sets its
+own), runs the workload with every request injected at its arrival time (open loop: the
+engine steps while it has work and waits for the next arrival when it has none), and is
+released before the next one is built. Metrics come from the requests' outputs and the
+engine's ``StepEvent``s; :mod:`llmlab.experiments.metrics` defines each of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from llmlab import registry
+from llmlab.config import EngineConfig
+from llmlab.engine.engine import Engine
+from llmlab.engine.events import StepEvent
+from llmlab.engine.outputs import RequestOutput
+from llmlab.experiments.metrics import RequestRecord, StepTrace, summarize
+from llmlab.experiments.workloads import Workload, WorkloadRequest
+from llmlab.sampling.params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+COMPONENT_KEYS = ("scheduling_policy", "eviction_policy", "attention_backend", "sampler")
+"""Keys of a configuration that take a component (an instance, or a registered name)."""
+
+CONFIG_KEYS = tuple(f.name for f in attrs.fields(EngineConfig)) + COMPONENT_KEYS
+"""Every key a configuration or ``engine_kwargs`` may hold: the ``LLM`` keywords."""
+
+KEY_METRICS = (
+    ("output_tokens_per_s", "throughput (output tok/s)"),
+    ("ttft_mean_s", "TTFT mean (s)"),
+    ("ttft_p99_s", "TTFT p99 (s)"),
+    ("tpot_mean_s", "TPOT mean (s)"),
+    ("prefix_hit_rate", "prefix-hit rate"),
+    ("num_preemptions", "preemptions"),
+    ("fairness_gap_tokens", "fairness gap (tokens)"),
+)
+"""The table columns :meth:`Comparison.figure` draws, with their axis titles."""
+
+ModelOrFactory = str | os.PathLike | Callable[..., Any]
+
+
+@attrs.frozen(eq=False, repr=False)
+class Comparison:
+    """The result of :func:`compare`.
+
+    Attributes:
+        workload: what was run.
+        table: one row per configuration (index: label): the policies' names, then the
+            metrics of :mod:`llmlab.experiments.metrics`, then ``served[user]`` columns.
+        requests: one row per request and configuration (column ``label``): the fields of
+            :class:`~llmlab.experiments.metrics.RequestRecord` (times in seconds since the
+            run's start) plus ``ttft_s`` and ``e2e_s``.
+        events: each configuration's ``StepEvent``s, in step order.
+    """
+
+    workload: Workload
+    table: Any  # pandas.DataFrame
+    requests: Any  # pandas.DataFrame
+    events: Mapping[str, tuple[StepEvent, ...]]
+
+    def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4):
+        """A matplotlib ``Figure``: one bar chart per metric (default :data:`KEY_METRICS`)
+        across configurations, plus tokens served per user (stacked) when there are
+        several users. Built with the object API, so it needs no display."""
+        from matplotlib.figure import Figure
+
+        titles = dict(KEY_METRICS)
+        names = [m for m, _ in KEY_METRICS] if metrics is None else list(metrics)
+        missing = [m for m in names if m not in self.table.columns]
+        if missing:
+            raise ValueError(
+                f"unknown metric(s) {missing}; the table has {list(self.table.columns)}"
+            )
+        served = [c for c in self.table.columns if c.startswith("served[")]
+        panels = len(names) + (len(served) > 1)
+        ncols = max(1, min(ncols, panels))
+        nrows = -(-panels // ncols)
+        fig = Figure(figsize=(3.2 * ncols, 2.8 * nrows), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+        labels = [str(label) for label in self.table.index]
+        colors = [f"C{i % 10}" for i in range(len(labels))]
+        for ax, name in zip(axes, names, strict=False):
+            values = self.table[name].astype(float).to_numpy()
+            bars = ax.bar(labels, values, color=colors)
+            ax.bar_label(bars, fmt="%.3g", fontsize="x-small")
+            ax.set_title(titles.get(name, name), fontsize="medium")
+            if not np.nanmax(values, initial=0.0) > 0:  # all zero or NaN: show an empty 0..1
+                ax.set_ylim(0, 1)
+        if len(served) > 1:
+            ax = axes[len(names)]
+            bottom = None
+            for column in served:
+                values = self.table[column].astype(float).to_numpy()
+                ax.bar(labels, values, bottom=bottom, label=column[len("served["):-1])
+                bottom = values if bottom is None else bottom + values
+            ax.set_title("tokens served per user", fontsize="medium")
+            ax.legend(fontsize="small")
+        for ax in axes[:panels]:
+            ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+        for ax in axes[panels:]:
+            ax.set_visible(False)
+        fig.suptitle(f"{self.workload.name}: {self.workload.num_requests} requests")
+        return fig
+
+    def _repr_html_(self) -> str:
+        return self.table.to_html(float_format=lambda x: f"{x:.4g}")
+
+    def __repr__(self) -> str:
+        return (
+            f"Comparison(workload={self.workload.name!r}, "
+            f"{len(self.table)} configuration(s))\n{self.table.to_string()}"
+        )
+
+
+def compare(
+    workload: Workload,
+    configs: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
+    *,
+    model: ModelOrFactory,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> Comparison:
+    """Run ``workload`` on a fresh engine per configuration; return the metrics.
+
+    Args:
+        workload: the requests and their arrival times.
+        configs: ``{label: {keyword: value}}``, or a sequence of dicts each with a
+            ``"label"``; the keywords are ``LLM``'s (:data:`CONFIG_KEYS`): engine settings
+            and components, given as instances or registered names.
+        model: a model directory or hub id, built with ``LLM(model, **kwargs)`` (a
+            configuration may set its own ``model``); or a factory ``model(**kwargs)``
+            returning an ``Engine`` (or an ``LLM``), e.g. one with a simulated executor and
+            a ``VirtualClock``, whose keywords are its own (not checked here).
+        engine_kwargs: keywords shared by every configuration (a configuration's own value
+            wins). A component instance here is deep-copied for each engine, so engines
+            never share policy state; instances inside a configuration are used as given.
+        progress: show a tqdm bar (requests finished) per configuration.
+
+    Raises ``ValueError`` before anything runs for an empty workload or ``configs``, a
+    duplicate or empty label, an unknown keyword (naming it and the allowed ones), or an
+    unknown component name (the registry's message, which lists the available names).
+    """
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+    if workload.num_requests == 0:
+        raise ValueError(f"workload {workload.name!r} has no requests; give at least one")
+    is_llm = not callable(model)
+    shared = _check_settings("engine_kwargs", engine_kwargs or {}, is_llm=is_llm)
+    runs = _labelled(configs)
+    for label, settings in runs.items():
+        _check_settings(f"configs[{label!r}]", settings, is_llm=is_llm)
+        if is_llm:
+            _check_engine_config(model, label, {**shared, **settings})
+
+    import pandas as pd
+
+    rows, request_frames, events = {}, [], {}
+    for label, settings in runs.items():
+        merged = {k: copy.deepcopy(v) if k in COMPONENT_KEYS and not isinstance(v, str) else v
+                  for k, v in shared.items()}
+        merged.update(settings)
+        engine = _build(model, merged)
+        try:
+            records, trace = run_workload(engine, workload, label=label, progress=progress)
+            rows[label] = {**_policy_names(engine), **summarize(records, trace, workload.users)}
+        finally:
+            del engine
+            _release_memory()
+        request_frames.append(_requests_frame(label, records))
+        events[label] = tuple(trace.events)
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.index.name = "label"
+    requests = pd.concat(request_frames, ignore_index=True)
+    return Comparison(workload=workload, table=table, requests=requests, events=events)
+
+
+def run_workload(
+    engine: Engine, workload: Workload, *, label: str = "", progress: bool = False
+) -> tuple[list[RequestRecord], StepTrace]:
+    """Inject ``workload`` into an idle ``engine`` at its arrival times; step until all finish.
+
+    Requests get ids ``"0"``, ``"1"``, ... in arrival order, greedy sampling with
+    ``ignore_eos`` (so exactly ``max_tokens`` each) and cumulative outputs; the records'
+    times are seconds since the run's start. Waiting for an arrival sleeps, or advances the
+    clock when it has an ``advance`` method (a ``VirtualClock``). On any error or Ctrl-C
+    the observer is removed and the workload's requests still in the engine are aborted
+    before the exception propagates.
+    """
+    if engine.has_unfinished_requests():
+        raise ValueError(
+            f"the engine has {engine.get_num_unfinished_requests()} unfinished request(s); "
+            "run a workload on an idle engine, so its measurements are its own"
+        )
+    clock = engine.clock
+    t0 = clock()
+    records = {
+        str(i): RequestRecord(
+            request_id=str(i), user=r.user, priority=r.priority, arrival_s=r.arrival_time,
+            num_prompt_tokens=r.num_prompt_tokens, max_tokens=r.max_tokens,
+        )
+        for i, r in enumerate(workload.requests)
+    }
+    arrivals = list(zip(records.values(), workload.requests, strict=True))
+    trace = StepTrace()
+    unfinished: Counter = Counter()  # per user: arrived, not finished
+    backlogged: frozenset = frozenset()  # users with unfinished requests as a step begins
+
+    def observe(event: StepEvent) -> None:
+        trace.events.append(event)
+        trace.backlogged.append(backlogged)
+
+    bar = _ProgressBar(workload.num_requests, label, enabled=progress)
+    engine.subscribe(observe)
+    num_added = num_finished = 0
+    try:
+        while num_finished < len(records):
+            now = clock() - t0
+            while num_added < len(arrivals) and arrivals[num_added][0].arrival_s <= now:
+                record, request = arrivals[num_added]
+                _add(engine, request, record, t0)
+                unfinished[record.user] += 1
+                num_added += 1
+            if engine.has_unfinished_requests():
+                backlogged = frozenset(u for u, n in unfinished.items() if n)
+                outputs = engine.step()
+                now = clock() - t0
+                for out in outputs:
+                    record = records[out.request_id]
+                    if _update(record, out, now):
+                        unfinished[record.user] -= 1
+                        num_finished += 1
+                        bar.finished(record, now)
+            elif num_added < len(arrivals):
+                _wait_until(clock, t0 + arrivals[num_added][0].arrival_s)
+            else:
+                raise RuntimeError(
+                    f"the engine has no unfinished requests but {len(records) - num_finished} "
+                    "of the workload's have not finished (aborted from outside?)"
+                )
+    finally:
+        engine.unsubscribe(observe)
+        bar.close()
+        _abort_quietly(engine, [i for i, r in records.items() if r.finish_s is None])
+    return list(records.values()), trace
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _labelled(configs: object) -> dict[str, dict[str, Any]]:
+    """``{label: settings}`` from a mapping, or from a sequence of dicts with ``"label"``."""
+    if isinstance(configs, Mapping):
+        items = list(configs.items())
+    elif isinstance(configs, Sequence) and not isinstance(configs, (str, bytes)):
+        items = []
+        for i, config in enumerate(configs):
+            if not isinstance(config, Mapping) or "label" not in config:
+                raise ValueError(
+                    f"configs[{i}] must be a dict with a 'label' key when configs is a "
+                    f"list, got {config!r}"
+                )
+            items.append((config["label"], {k: v for k, v in config.items() if k != "label"}))
+    else:
+        raise TypeError(
+            f"configs must be a dict {{label: settings}} or a list of dicts with a 'label', "
+            f"got {type(configs).__name__}"
+        )
+    if not items:
+        raise ValueError("configs is empty; give at least one configuration")
+    runs: dict[str, dict[str, Any]] = {}
+    for label, settings in items:
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"configuration labels must be non-empty strs, got {label!r}")
+        if label in runs:
+            raise ValueError(f"configuration label {label!r} is used twice; labels must differ")
+        if not isinstance(settings, Mapping):
+            raise TypeError(
+                f"configs[{label!r}] must be a dict of LLM keywords, got "
+                f"{type(settings).__name__}"
+            )
+        runs[label] = dict(settings)
+    return runs
+
+
+def _check_settings(where: str, settings: object, *, is_llm: bool) -> dict[str, Any]:
+    """Keys and component names of ``LLM`` keywords (a factory's keywords are its own)."""
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"{where} must be a dict of keywords, got {type(settings).__name__}")
+    if not is_llm:
+        return dict(settings)
+    unknown = sorted(set(settings) - set(CONFIG_KEYS), key=str)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown key(s) {unknown}; allowed: {', '.join(CONFIG_KEYS)}"
+        )
+    for kind in COMPONENT_KEYS[:3]:
+        if isinstance(settings.get(kind), str):
+            registry.resolve(kind, settings[kind])  # an unknown name lists the known ones
+    return dict(settings)
+
+
+def _check_engine_config(model: str | os.PathLike, label: str, settings: dict) -> None:
+    """Build the ``EngineConfig`` now, so a bad value fails before any configuration runs."""
+    values = {k: v for k, v in settings.items() if k not in COMPONENT_KEYS}
+    values.setdefault("model", model)
+    try:
+        EngineConfig(**values)
+    except (TypeError, ValueError) as err:
+        if hasattr(err, "add_note"):  # Python >= 3.11
+            err.add_note(f"(in configuration {label!r})")
+        raise
+
+
+def _build(model: ModelOrFactory, settings: dict[str, Any]) -> Engine:
+    if callable(model):
+        built = model(**settings)
+    else:
+        from llmlab.llm import LLM
+
+        settings = dict(settings)
+        built = LLM(settings.pop("model", model), **settings)
+    engine = getattr(built, "llm_engine", built)
+    if not isinstance(engine, Engine):
+        raise TypeError(
+            f"the model factory must return an Engine or an LLM, got {type(built).__name__}"
+        )
+    return engine
+
+
+def _add(engine: Engine, request: WorkloadRequest, record: RequestRecord, t0: float) -> None:
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        ignore_eos=True,
+        temperature=0,
+        output_kind=RequestOutputKind.CUMULATIVE,
+    )
+    engine.add_request(
+        record.request_id,
+        {"prompt_token_ids": list(request.prompt_token_ids)},
+        params,
+        arrival_time=t0 + request.arrival_time,
+        priority=request.priority,
+        user=request.user,
+    )
+
+
+def _update(record: RequestRecord, out: RequestOutput, now: float) -> bool:
+    """Note a step's output for ``record``; True if the request just finished."""
+    completion = out.outputs[0]
+    if record.first_token_s is None and completion.token_ids:
+        record.first_token_s = now
+    if not out.finished:
+        return False
+    record.finish_s = now
+    record.num_output_tokens = len(completion.token_ids)
+    record.output_token_ids = tuple(completion.token_ids)
+    record.num_cached_tokens = out.num_cached_tokens
+    record.finish_reason = completion.finish_reason
+    return True
+
+
+def _abort_quietly(engine: Engine, request_ids: list[str]) -> None:
+    """Abort what is left; an error here must not mask the one being raised."""
+    if not request_ids:
+        return
+    pending = sys.exc_info()[1] is not None
+    try:
+        engine.abort_request(request_ids)
+    except Exception:
+        if not pending:
+            raise
+        logger.exception("while cleaning up after an error, aborting requests also failed")
+
+
+def _wait_until(clock: Callable[[], float], deadline: float) -> None:
+    delay = deadline - clock()
+    if delay <= 0:
+        return
+    advance = getattr(clock, "advance", None)
+    if callable(advance):
+        advance(delay)
+    else:
+        time.sleep(delay)
+
+
+class _ProgressBar:
+    """Requests finished out of the workload's, with the output rate so far (tqdm.auto)."""
+
+    def __init__(self, total: int, label: str, *, enabled: bool) -> None:
+        self._bar = None
+        self._num_output_tokens = 0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=label or "requests", unit="req",
+                             dynamic_ncols=True)
+
+    def finished(self, record: RequestRecord, now: float) -> None:
+        if self._bar is None:
+            return
+        self._num_output_tokens += record.num_output_tokens
+        self._bar.update(1)
+        rate = self._num_output_tokens / max(now, 1e-9)
+        self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _policy_names(engine: Engine) -> dict[str, str]:
+    def name(component: object) -> str:
+        return getattr(component, "name", None) or type(component).__name__
+
+    return {
+        "scheduling_policy": name(engine.scheduler.policy),
+        "eviction_policy": name(engine.kv_cache.eviction),
+    }
+
+
+def _requests_frame(label: str, records: list[RequestRecord]):
+    import pandas as pd
+
+    frame = pd.DataFrame([attrs.asdict(r, recurse=False) for r in records])
+    for column in ("first_token_s", "finish_s"):
+        frame[column] = frame[column].astype(float)
+    frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]
+    frame["e2e_s"] = frame["finish_s"] - frame["arrival_s"]
+    frame.insert(0, "label", label)
+    return frame
+
+
+def _release_memory() -> None:
+    """Free a finished engine's tensors before the next one is built (its KV cache may
+    take most of the device)."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
