@@ -89,7 +89,33 @@ class SchedulingPolicy(Protocol):
     """The decisions the scheduler delegates (see the module docstring for the table).
 
     Only ``push``, ``pop``, ``remove`` and ``victim`` are required; subclass :class:`Policy`
-    to get all of them from a ``key``.
+    to get all of them from a ``key``. A complete policy written from scratch, last come
+    first served (a stack), O(1) per call with lazy removal::
+
+        @register("scheduling_policy", "lcfs")
+        class LastComeFirstServed:
+            name = "lcfs"
+
+            def __init__(self):
+                self.stack, self.queued = [], set()
+
+            def push(self, request, now):
+                self.queued.add(request)
+                self.stack.append(request)
+
+            def pop(self, now):
+                while self.stack:  # entries of removed requests are skipped here
+                    request = self.stack.pop()
+                    if request in self.queued:
+                        self.queued.remove(request)
+                        return request
+                return None
+
+            def remove(self, request):  # also told about running requests: harmless
+                self.queued.discard(request)
+
+            def victim(self, candidates):
+                return min(candidates, key=lambda r: r.arrival_time)
     """
 
     name: str

@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from llmlab.cache import FIFOEviction, KVCacheManager, LRUEviction, RandomEviction, block_pool
+from llmlab.cache import KVCacheManager, LRUEviction, block_pool
 from llmlab.errors import ComponentError
 from tests.cache.test_block_pool import BAD_ANSWERS, FaultyEviction
+from tests.cache.test_eviction import ALL_POLICIES
 from tests.helpers import make_request
 
 
@@ -118,7 +119,7 @@ def test_lru_prefers_least_recently_freed_request():
     assert len(kv.lookup_prefix(make_request([4, 5, 6]))) == 1
 
 
-@pytest.mark.parametrize("policy", [LRUEviction, FIFOEviction, RandomEviction])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_every_policy_keeps_accounting_consistent(policy):
     kv = KVCacheManager(num_blocks=6, block_size=2, eviction=policy())
     for i in range(30):
@@ -283,13 +284,13 @@ def run_soak(policy, block_size, num_ops=400):
     assert not sim.kv.pool.ref_counts.any()
 
 
-@pytest.mark.parametrize("policy", [LRUEviction, FIFOEviction, RandomEviction])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize("block_size", [2, 4])
 def test_random_operations_keep_every_policy_consistent(policy, block_size):
     run_soak(policy, block_size)
 
 
-@pytest.mark.parametrize("policy", [LRUEviction, FIFOEviction, RandomEviction])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_the_vectorized_path_behaves_like_the_per_block_one(policy, monkeypatch):
     # Small batches normally take the per-block path; force every batch through numpy.
     monkeypatch.setattr(block_pool, "VECTOR_MIN_IDS", 1)

@@ -415,3 +415,32 @@ def test_the_worked_examples_in_docs_components_run():
     mru.on_hit([3])
     mru.on_free([4])
     assert mru.evict(2) == [4, 2]
+
+
+def test_the_worked_examples_in_the_protocol_docstrings_run():
+    import textwrap
+
+    from llmlab.cache.eviction import EvictionPolicy
+    from llmlab.scheduler import SchedulingPolicy
+
+    def example(doc):
+        return textwrap.dedent(doc.split("::\n")[1])
+
+    namespace = {"register": lambda kind, name: (lambda cls: cls)}
+    exec(example(SchedulingPolicy.__doc__), namespace)
+    reqs = [make_request(range(4), max_tokens=1, arrival=t, request_id=f"t{t}") for t in (0, 1, 2)]
+    assert admission_order(namespace["LastComeFirstServed"](), reqs) == ["t2", "t1", "t0"]
+
+    exec(example(EvictionPolicy.__doc__), namespace)
+    kv = KVCacheManager(num_blocks=8, block_size=4, eviction=namespace["MostRecentlyFreed"]())
+    for start in (0, 100, 200):  # three 2-block prompts cached in turn
+        r = make_request(range(start, start + 8))
+        assert kv.allocate(r, 8)
+        r.num_computed_tokens = 8
+        kv.cache_computed_blocks(r)
+        kv.free(r)
+    big = make_request(range(300, 316))
+    assert kv.allocate(big, 16)  # 4 blocks: the 2 empty ones, then 2 evicted
+    kv.check()
+    cached = [len(kv.lookup_prefix(make_request([*range(s, s + 8), 1]))) for s in (0, 100, 200)]
+    assert cached == [2, 2, 0]  # the most recently freed prompt went first
