@@ -18,3 +18,13 @@ def make_request(tokens, *, arrival=None, max_tokens=16, request_id=None, **para
         sampling_params=SamplingParams(max_tokens=max_tokens, **params),
         arrival_time=float(n if arrival is None else arrival),
     )
+
+
+def builtin_names(kind: str) -> list[str]:
+    """llmlab's own registered names of ``kind`` (tests register more in the same process)."""
+    from llmlab import registry
+
+    return [
+        name for name in registry.available(kind)
+        if registry.resolve(kind, name).__module__.startswith("llmlab.")
+    ]

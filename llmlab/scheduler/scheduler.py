@@ -247,7 +247,7 @@ class Scheduler:
                 if not verdict:
                     handed_back.append(request)
                     continue
-            placed = self._place(
+            placed, budget = self._place(
                 request, entries, budget, preempted, admitted_now, preempt_for, now
             )
             if placed is None:  # does not fit now (or a component failed)
@@ -255,8 +255,6 @@ class Scheduler:
                 break
             if placed:
                 admitted_now.add(id(request))
-            # Recounted: preempting for this request may have dropped entries of this step.
-            budget = self.max_num_batched_tokens - sum(e.num_new_tokens for e in entries)
         for request in handed_back:
             self._push(request, now)
 
@@ -269,14 +267,18 @@ class Scheduler:
         admitted_now: set[int],
         preempt_for,
         now: float,
-    ) -> bool | None:
-        """Admit one popped request: True admitted, False failed for good, None handed back."""
+    ) -> tuple[bool | None, int]:
+        """Admit one popped request: ``(placed, budget left)``; ``placed`` is True when it
+        was admitted, False when it failed for good, None when it is to be handed back.
+
+        Preempting for it gives back the budget of the victims' entries in this step.
+        """
         while True:
             prefix = self.kv.lookup_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             if not self.chunked_prefill and remaining > budget:
-                return None
+                return None, budget
             num_new = min(remaining, budget)
             allocated = False
             if self._free_rows:
@@ -284,24 +286,24 @@ class Scheduler:
                     allocated = self.kv.allocate(request, num_new, prefix)
                 except ComponentError as err:
                     self._errors.append(err)
-                    return None
+                    return None, budget
             if allocated:
                 break
             if self._free_rows and not self.running and not entries:
                 # Nothing holds blocks, so the whole pool was on offer: it never fits.
                 self._fail(request, self._too_big(request, num_cached + num_new))
-                return False
+                return False, budget
             # Out of blocks or rows: the policy may preempt a running request for it.
             candidates = [r for r in self.running if id(r) not in admitted_now]
             if preempt_for is None or not candidates:
-                return None
+                return None, budget
             answer = self._call("preempt_for", request.view, views(candidates))
             if answer is _FAILED or answer is None:
-                return None
+                return None, budget
             victim = request_of(answer)
             if not any(victim is c for c in candidates):
                 self._bad_answer("preempt_for", answer, "one of the running candidates or None")
-                return None
+                return None, budget
             for i, entry in enumerate(entries):
                 if entry.request is victim:
                     del entries[i]
@@ -317,7 +319,8 @@ class Scheduler:
         del self._waiting[request.request_id]
         self.running.append(request)
         entries.append(self._entry(request, num_new, new_row=True))
-        return True
+        return True, budget - num_new
+
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new

@@ -8,16 +8,12 @@ import random
 
 import pytest
 
-from llmlab import LLM, Policy, SamplingParams, register, registry
+from llmlab import LLM, Policy, SamplingParams, register
 from llmlab.server.cli import main as cli_main
+from tests.helpers import builtin_names
 
-
-def builtin(kind):
-    return [n for n in registry.available(kind) if registry.resolve(kind, n).__module__.startswith("llmlab.")]
-
-
-SCHEDULING = builtin("scheduling_policy")
-EVICTION = builtin("eviction_policy")
+SCHEDULING = builtin_names("scheduling_policy")
+EVICTION = builtin_names("eviction_policy")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from llmlab.scheduler import (
     VirtualTokenCounter,
     as_policy,
 )
-from tests.helpers import make_request
+from tests.helpers import builtin_names, make_request
 
 
 def make_scheduler(policy, num_blocks=64, block_size=4, max_num_seqs=8, budget=64):
@@ -50,8 +50,7 @@ def admission_order(policy, requests, **kw):
 
 
 def test_builtin_names_are_exactly_the_zoo():
-    names = registry.available("scheduling_policy")
-    builtin = [n for n in names if registry.resolve("scheduling_policy", n).__module__.startswith("llmlab.")]
+    builtin = builtin_names("scheduling_policy")
     assert builtin == [
         "fcfs", "priority", "spf", "sjf", "fair", "cache_aware", "mlfq"
     ]
@@ -70,9 +69,10 @@ def test_fcfs_admits_by_arrival_and_preempts_the_latest():
 def test_sjf_admits_the_shortest_job_first():
     reqs = [make_request(range(4), max_tokens=m, arrival=0, request_id=f"m{m}") for m in (50, 5, 20)]
     assert admission_order(ShortestJobFirst(), reqs) == ["m5", "m20", "m50"]
-    assert admission_order(FCFS(), reqs[:0] + [
+    fcfs_reqs = [
         make_request(range(4), max_tokens=m, arrival=0, request_id=f"f{m}") for m in (50, 5, 20)
-    ]) == ["f50", "f5", "f20"]
+    ]
+    assert admission_order(FCFS(), fcfs_reqs) == ["f50", "f5", "f20"]
 
 
 def test_sjf_uses_a_length_predictor_once_per_request():
@@ -214,7 +214,6 @@ def test_fair_lifts_a_returning_users_counter_and_preempts_the_most_served():
     vtc.push(b.view, 1.0)
     # b was idle: it starts from the last counter seen (a's 10), not from 0.
     assert vtc.counters["b"] == 10
-    assert vtc.victim([a.view, b.view]) in (a.view, b.view)
     vtc.counters["a"] = 50
     assert vtc.victim([a.view, b.view]) is a.view
 
@@ -320,7 +319,9 @@ def test_policies_see_read_only_views():
     sched = make_scheduler(Peek())
     sched.add(make_request(range(4)))
     step(sched)
-    assert type(seen[0]).__name__ == "RequestView" and not hasattr(seen[0], "output_token_ids_list")
+    # A view: no mutable token lists, no KV state, nothing to assign.
+    assert type(seen[0]).__name__ == "RequestView"
+    assert not hasattr(seen[0], "all_token_ids") and not hasattr(seen[0], "block_hashes")
 
 
 def test_a_failing_push_loses_no_request():
