@@ -7,6 +7,7 @@ This module sits below the engine, scheduler, cache and sampler (it imports only
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 import torch
@@ -60,7 +61,8 @@ class Request:
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache when the request was first admitted.
     num_cached_tokens: int = 0
-    stop_reason: int | None = None
+    # The stop token id or stop string that ended it (vLLM's ``stop_reason``).
+    stop_reason: int | str | None = None
     # Chained hashes of this request's full blocks, computed once and kept across
     # preemptions (the tokens they cover never change).
     block_hashes: list[int] = attrs.field(factory=list)
@@ -73,6 +75,20 @@ class Request:
     num_prompt_computed: int = 0
     # Position in the scheduler's arrival order (ties between equal arrival times).
     seq: int = 0
+    # Parallel sampling (n / best_of): the group this request is sample ``index`` of. The
+    # leader (index 0) is queued; the others wait in ``forks`` until the leader's prompt is
+    # computed, then start from its KV blocks (shared by reference) with their first token.
+    group: SampleGroup | None = None
+    index: int = 0
+    forks: list[Request] = attrs.field(factory=list)
+    # Logprobs of each output token (``TokenLogprobs``) when ``sampling_params.logprobs``
+    # is set, and of each prompt position (None first) when ``prompt_logprobs`` is.
+    output_logprobs: list = attrs.field(factory=list)
+    prompt_logprobs: list = attrs.field(factory=list)
+    # Incremental detokenizer (text, stop strings) and structured-output state, set by the
+    # engine when the request needs them.
+    detokenizer: Any = None
+    grammar: Any = None
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property
@@ -110,6 +126,23 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.cumulative_logprob += logprob
+
+
+@attrs.define(eq=False)
+class SampleGroup:
+    """The ``best_of`` (default ``n``) parallel samples of one user request.
+
+    ``members[i]`` is sample ``i``; the user sees one ``RequestOutput`` with ``n``
+    completions (the ``n`` best by cumulative logprob when ``best_of > n``).
+    """
+
+    request_id: str
+    n: int
+    members: list[Request] = attrs.field(factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(m.is_finished for m in self.members)
 
 
 class RequestView:

@@ -1,20 +1,38 @@
-"""``SamplingParams``: how one request's tokens are chosen and when it stops (vLLM names)."""
+"""``SamplingParams``: how one request's tokens are chosen and when it stops (vLLM names).
+
+Every field of vLLM's documented ``SamplingParams`` is here with vLLM's meaning and default,
+checked at construction (a ``TypeError`` or ``ValueError`` naming the field, the value and
+what is allowed). Structured outputs are described by :class:`StructuredOutputsParams`
+(vLLM's older spelling :class:`GuidedDecodingParams` is accepted too); whether a schema or
+regex compiles is checked when the engine accepts the request, since that needs the
+tokenizer.
+"""
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
+import inspect
+import json
 import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from llmlab.validation import as_bool, as_int, as_real, as_seed, as_token_ids
+from llmlab.validation import as_bool, as_int, as_real, as_seed, as_str, as_token_ids
 
 
 class RequestOutputKind(enum.Enum):
-    """What ``Engine.step`` reports for a request: everything so far, or only the end."""
+    """What ``Engine.step`` reports for a request (vLLM's values).
+
+    CUMULATIVE: everything so far, every step. DELTA: only what is new since the last
+    report (text and tokens), every step. FINAL_ONLY: nothing until it finishes.
+    """
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -23,6 +41,8 @@ logger = logging.getLogger(__name__)
 # Below this, logits / temperature overflows to inf and softmax gives NaN (vLLM's _MAX_TEMP
 # guard): such a temperature is raised to this one, which is already all but greedy.
 MIN_TEMPERATURE = 1e-2
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _temperature(value: object) -> float:
@@ -44,6 +64,99 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
     return tuple(as_token_ids("stop_token_ids", value))
 
 
+def _strings(field: str, value: object) -> tuple[str, ...]:
+    """None, one string, or a sequence of non-empty strings, as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Sequence):
+        raise TypeError(
+            f"{field} must be a str, a list of str or None, got {type(value).__name__} {value!r}"
+        )
+    out = []
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise TypeError(f"{field}[{i}] must be a str, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{field}[{i}] is an empty string; each entry must be non-empty")
+        out.append(str(s))
+    return tuple(out)
+
+
+def _allowed_token_ids(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = as_token_ids("allowed_token_ids", value)
+    if not ids:
+        raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+    return tuple(dict.fromkeys(ids))
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"logit_bias must be a dict {{token_id: bias}}, got {type(value).__name__} {value!r}"
+        )
+    bias = {}
+    for key, b in value.items():
+        # The OpenAI API sends token ids as JSON object keys, i.e. strings.
+        tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        tok = as_int("logit_bias key", tok, min=0, allowed="a token id >= 0")
+        bias[tok] = as_real(f"logit_bias[{tok}]", b, min=-100, max=100)
+    return bias
+
+
+def _logprobs(field: str, value: object) -> int | None:
+    return as_int(field, value, min=0, allow_none=True, allowed="None or an int >= 0")
+
+
+def _truncate_prompt_tokens(value: object) -> int | None:
+    t = as_int(
+        "truncate_prompt_tokens", value, min=-1, allow_none=True,
+        allowed="None, -1 (max_model_len) or an int >= 1",
+    )
+    if t == 0:
+        raise ValueError(
+            "truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1, got 0"
+        )
+    return t
+
+
+def _logits_processors(value: object) -> tuple[Callable, ...]:
+    if value is None:
+        return ()
+    if callable(value) or not isinstance(value, Sequence):
+        raise TypeError(
+            "logits_processors must be a list of callables "
+            f"fn([prompt_token_ids,] output_token_ids, logits) -> logits, got {value!r}"
+        )
+    for i, fn in enumerate(value):
+        if not callable(fn):
+            raise TypeError(f"logits_processors[{i}] must be callable, got {fn!r}")
+        arity = _positional_arity(fn)
+        if arity is not None and arity not in (2, 3):
+            raise ValueError(
+                f"logits_processors[{i}] takes {arity} positional arguments; allowed: 2 "
+                "(output_token_ids, logits) or 3 (prompt_token_ids, output_token_ids, logits)"
+            )
+    return tuple(value)
+
+
+def _positional_arity(fn: Callable) -> int | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [p for p in sig.parameters.values() if p.kind in kinds]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+        return None
+    return len(params)
+
+
 def _output_kind(value: object) -> RequestOutputKind:
     if not isinstance(value, RequestOutputKind):
         kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
@@ -51,11 +164,114 @@ def _output_kind(value: object) -> RequestOutputKind:
     return value
 
 
+def _json_schema(value: object) -> str | dict | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as err:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        return value
+    if isinstance(value, Mapping):
+        return dict(value)
+    schema = getattr(value, "model_json_schema", None)  # a pydantic model class
+    if callable(schema):
+        return schema()
+    raise TypeError(
+        "structured_outputs.json must be a JSON schema (a dict or a JSON string) or a "
+        f"pydantic model class, got {type(value).__name__} {value!r}"
+    )
+
+
+def _choice(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    choices = _strings("structured_outputs.choice", value)
+    if not choices:
+        raise ValueError("structured_outputs.choice must list at least one string")
+    return choices
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text: exactly one of the fields is set.
+
+    Attributes:
+        json: a JSON schema (dict, JSON string, or pydantic model class): the output is a
+            JSON document valid against it.
+        regex: the output fully matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (GBNF) grammar the output is a sentence of.
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        whitespace_pattern: unused by the xgrammar backend (JSON is generated compact);
+            accepted for compatibility.
+    """
+
+    json: str | dict | None = attrs.field(default=None, converter=_json_schema)
+    regex: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_str, "structured_outputs.regex", allow_none=True,
+                                    allow_empty=False),
+    )
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choice)
+    grammar: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_str, "structured_outputs.grammar", allow_none=True,
+                                    allow_empty=False),
+    )
+    json_object: bool | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_bool, "structured_outputs.json_object", allow_none=True),
+    )
+    whitespace_pattern: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        given = self.kinds()
+        if len(given) != 1:
+            which = ", ".join(given) if given else "none"
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {which}"
+            )
+
+    def kinds(self) -> list[str]:
+        return [
+            k for k in _STRUCTURED_KINDS
+            if getattr(self, k) not in (None, False)
+        ]
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return self.kinds()[0]
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name for :class:`StructuredOutputsParams` (same fields)."""
+
+
+def _structured(value: object) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, Mapping):
+        return StructuredOutputsParams(**value)
+    raise TypeError(
+        "structured_outputs must be StructuredOutputsParams (or GuidedDecodingParams) or None, "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
 def _validate(params: SamplingParams) -> None:
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise ValueError(
             f"min_tokens must be <= max_tokens ({params.max_tokens}), got {params.min_tokens!r}"
         )
+    if params.best_of is not None and params.best_of < params.n:
+        raise ValueError(f"best_of must be >= n ({params.n}), got {params.best_of!r}")
+
+
+_PENALTY = functools.partial(as_real, min=-2.0, max=2.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -66,7 +282,22 @@ class SamplingParams:
     must be integers, and numpy or torch integer scalars become plain ints); a value out
     of range, NaN or infinity is a ``ValueError``. Either message names the field.
 
+    Processing order of the logits (each step, per request): custom ``logits_processors``,
+    ``allowed_token_ids``, ``bad_words``, ``logit_bias``, ``min_tokens``, the structured-output
+    mask, the repetition / frequency / presence penalties, then ``temperature``, ``top_k``,
+    ``top_p``, ``min_p`` and the draw. Reported logprobs are those of the model's raw
+    distribution (vLLM's default ``raw_logprobs``).
+
     Attributes:
+        n: completions returned for the prompt. They share the prompt's KV blocks.
+        best_of: completions generated (>= ``n``; default ``n``); the ``n`` with the highest
+            cumulative logprob are returned.
+        presence_penalty: subtracted once from the logit of every token already generated;
+            in [-2, 2] (OpenAI's definition).
+        frequency_penalty: subtracted from a token's logit once per time it was generated;
+            in [-2, 2].
+        repetition_penalty: tokens in the prompt or the output have positive logits divided
+            and negative ones multiplied by it (CTRL / HF); > 0 and <= 2, 1 is off.
         temperature: softmax temperature, >= 0; 0 selects the most likely token (greedy).
             A positive value below 1e-2 would overflow the logits, so (as in vLLM) it is
             raised to 1e-2 with a warning.
@@ -75,19 +306,57 @@ class SamplingParams:
             value beyond the vocabulary.
         min_p: drop tokens less likely than ``min_p`` times the most likely one; in [0, 1].
         seed: per-request random seed in [-2**63, 2**64); the same seed gives the same
-            tokens whatever else is in the batch. ``None`` draws from the engine's
-            generator (seeded by ``LLM(seed=...)``).
-        max_tokens: most tokens to generate, >= 1; ``None`` runs to the model's length limit.
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist;
-            at most ``max_tokens``.
+            tokens whatever else is in the batch (sample ``i`` of ``n`` uses ``seed + i``).
+            ``None`` draws from the engine's generator (seeded by ``LLM(seed=...)``).
+        stop: strings that end generation; the text is cut before the match (unless
+            ``include_stop_str_in_output``) and ``stop_reason`` is the string.
         stop_token_ids: extra token ids that end generation (kept in the output); any
-            iterable of non-negative ints, stored as a tuple. The engine checks them
-            against the vocabulary.
+            iterable of non-negative ints, stored as a tuple.
+        bad_words: words never generated: the last token of each word's tokenization (with
+            and without a leading space) is banned whenever the tokens before it were just
+            generated.
+        include_stop_str_in_output: keep the matched stop string in the text.
         ignore_eos: keep generating past the EOS token.
-        skip_special_tokens: drop special tokens when detokenizing.
-        output_kind: report every step (CUMULATIVE) or only the finished output.
+        max_tokens: most tokens to generate, >= 1; ``None`` runs to the model's length limit.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored until this many
+            tokens exist; at most ``max_tokens``.
+        logprobs: also return the log-probabilities of this many most likely tokens at each
+            output position (plus the sampled one); at most the engine's ``max_logprobs``.
+        prompt_logprobs: the same for every prompt position (the first is None). Such a
+            request computes its whole prompt (no prefix-cache hits).
+        detokenize: produce text (False: token ids only, and no stop strings).
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: put spaces around special tokens in the text (slow
+            tokenizers; fast ones decode as the tokenizer does).
+        logits_processors: callables ``fn(output_token_ids, logits)`` or
+            ``fn(prompt_token_ids, output_token_ids, logits)`` returning the request's new
+            logits row (1-D tensor); they run in a per-request loop, unlike the rest.
+        truncate_prompt_tokens: keep only the last this-many prompt tokens (-1: up to
+            ``max_model_len``).
+        output_kind: report everything so far (CUMULATIVE), what is new (DELTA), or only
+            the finished output (FINAL_ONLY).
+        logit_bias: ``{token_id: bias}`` added to the logits, bias in [-100, 100].
+        allowed_token_ids: only these tokens can be generated.
+        structured_outputs: a JSON schema, regex, choice or grammar the output must follow
+            (``guided_decoding=`` is vLLM's older spelling of the same argument).
     """
 
+    n: int = attrs.field(default=1, converter=functools.partial(as_int, "n", min=1))
+    best_of: int | None = attrs.field(
+        default=None, converter=functools.partial(as_int, "best_of", min=1, allow_none=True)
+    )
+    presence_penalty: float = attrs.field(
+        default=0.0, converter=functools.partial(_PENALTY, "presence_penalty")
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0, converter=functools.partial(_PENALTY, "frequency_penalty")
+    )
+    repetition_penalty: float = attrs.field(
+        default=1.0,
+        converter=functools.partial(
+            as_real, "repetition_penalty", min=0, min_inclusive=False, max=2.0
+        ),
+    )
     temperature: float = attrs.field(default=1.0, converter=_temperature)
     top_p: float = attrs.field(
         default=1.0,
@@ -105,26 +374,103 @@ class SamplingParams:
     seed: int | None = attrs.field(
         default=None, converter=functools.partial(as_seed, "seed", allow_none=True)
     )
+    stop: tuple[str, ...] = attrs.field(default=(), converter=functools.partial(_strings, "stop"))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
+    bad_words: tuple[str, ...] = attrs.field(
+        default=(), converter=functools.partial(_strings, "bad_words")
+    )
+    include_stop_str_in_output: bool = attrs.field(
+        default=False, converter=functools.partial(as_bool, "include_stop_str_in_output")
+    )
+    ignore_eos: bool = attrs.field(
+        default=False, converter=functools.partial(as_bool, "ignore_eos")
+    )
     max_tokens: int | None = attrs.field(
         default=16, converter=functools.partial(as_int, "max_tokens", min=1, allow_none=True)
     )
     min_tokens: int = attrs.field(
         default=0, converter=functools.partial(as_int, "min_tokens", min=0)
     )
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
-    ignore_eos: bool = attrs.field(
-        default=False, converter=functools.partial(as_bool, "ignore_eos")
+    logprobs: int | None = attrs.field(
+        default=None, converter=functools.partial(_logprobs, "logprobs")
+    )
+    prompt_logprobs: int | None = attrs.field(
+        default=None, converter=functools.partial(_logprobs, "prompt_logprobs")
+    )
+    detokenize: bool = attrs.field(
+        default=True, converter=functools.partial(as_bool, "detokenize")
     )
     skip_special_tokens: bool = attrs.field(
         default=True, converter=functools.partial(as_bool, "skip_special_tokens")
     )
+    spaces_between_special_tokens: bool = attrs.field(
+        default=True, converter=functools.partial(as_bool, "spaces_between_special_tokens")
+    )
+    logits_processors: tuple[Callable, ...] = attrs.field(
+        default=(), converter=_logits_processors, eq=False
+    )
+    truncate_prompt_tokens: int | None = attrs.field(
+        default=None, converter=_truncate_prompt_tokens
+    )
     output_kind: RequestOutputKind = attrs.field(
         default=RequestOutputKind.CUMULATIVE, converter=_output_kind
     )
+    logit_bias: dict[int, float] | None = attrs.field(
+        default=None, converter=_logit_bias, hash=False
+    )
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_allowed_token_ids
+    )
+    structured_outputs: StructuredOutputsParams | None = attrs.field(
+        default=None, converter=_structured, hash=False
+    )
+
+    def __init__(self, *, guided_decoding: StructuredOutputsParams | None = None, **kwargs: Any):
+        if guided_decoding is not None:
+            if kwargs.get("structured_outputs") is not None:
+                raise ValueError(
+                    "pass structured_outputs or guided_decoding (its older name), not both"
+                )
+            kwargs["structured_outputs"] = guided_decoding
+        self.__attrs_init__(**kwargs)
 
     def __attrs_post_init__(self) -> None:
         _validate(self)
 
+    # -- vLLM's helpers ----------------------------------------------------------------
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def guided_decoding(self) -> StructuredOutputsParams | None:
+        """vLLM's older name of ``structured_outputs``."""
+        return self.structured_outputs
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated: ``best_of`` if set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+    def clone(self) -> SamplingParams:
+        """A copy (logits processors are deep-copied, so stateful ones are not shared)."""
+        processors = tuple(copy.deepcopy(p) for p in self.logits_processors)
+        return attrs.evolve(self, logits_processors=processors)
+
+    def evolve(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied (and validated)."""
+        return attrs.evolve(self, **changes)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments where ``None`` means "the default" (as an HTTP
+        request's absent fields do). ``max_tokens=None`` stays None (no limit)."""
+        keep_none = {"max_tokens", "seed", "best_of", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens", "logit_bias", "allowed_token_ids",
+                     "structured_outputs", "guided_decoding"}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in keep_none})
