@@ -14,7 +14,14 @@ from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.llm import LLM
 from llmlab.registry import register
 from llmlab.request import Request, RequestStatus
-from llmlab.sampling.params import RequestOutputKind, SamplingParams
+from llmlab.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from llmlab.sampling.logprobs import Logprob
+from llmlab.sampling.params import (
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from llmlab.scheduler.policy import Policy
 
 # vLLM's name for the engine class.
@@ -24,11 +31,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Engine",
     "EngineBuilder",
     "EngineConfig",
+    "GuidedDecodingParams",
     "LLMEngine",
+    "Logprob",
     "Policy",
     "Request",
     "RequestOutput",
@@ -36,5 +48,6 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "StepEvent",
+    "StructuredOutputsParams",
     "register",
 ]

@@ -16,6 +16,12 @@ from llmlab.config import EngineConfig
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine, PromptType
 from llmlab.engine.outputs import RequestOutput
+from llmlab.sampling.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search,
+    candidates_per_beam,
+)
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,6 +128,139 @@ class LLM:
             finally:
                 self._abort_quietly(ids)
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template.
+
+        ``messages``: one conversation (a list of ``{"role": ..., "content": ...}``) or a
+        list of them. ``chat_template`` overrides the tokenizer's; ``add_generation_prompt``
+        appends the assistant turn's opening; ``continue_final_message`` continues the last
+        (assistant) message instead (the two exclude each other);
+        ``chat_template_kwargs`` go to the template. The rendered text is then generated
+        exactly as ``generate`` would generate it.
+        """
+        prompts = self.render_chat(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[dict]:
+        """The prompts ``chat`` generates from: ``{"prompt": text, "prompt_token_ids": ids}``
+        per conversation. A template that writes the BOS token itself is not given a second
+        one by the tokenizer."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (the LLM was built with skip_tokenizer_init)")
+        conversations = _as_conversations(messages)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message exclude each other; set "
+                "add_generation_prompt=False to continue the final message"
+            )
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a str or None, got {type(chat_template).__name__}")
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "the tokenizer has no chat template; pass chat_template=... (a Jinja template)"
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
+            )
+        bos = getattr(tokenizer, "bos_token", None)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            has_bos = bool(bos) and text.startswith(bos)
+            ids = tokenizer.encode(text, add_special_tokens=not has_bos)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return prompts
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): the ``beam_width`` best sequences per
+        prompt, best first, scored as Hugging Face's ``generate(num_beams=...)`` scores them.
+
+        Each step asks the engine for the ``2 * beam_width`` most likely next tokens of every
+        live beam at once; beams are requests whose prompts share their prefix, so with
+        prefix caching (the default) their full KV blocks are shared, not recomputed.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        k = candidates_per_beam(params, engine.eos_token_ids)
+        if engine.max_logprobs != -1 and k > engine.max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} needs the top {k} logprobs per beam, more "
+                f"than max_logprobs={engine.max_logprobs}; build the LLM with max_logprobs>={k}"
+            )
+        token_prompts = []
+        for prompt in _as_prompt_list(prompts):
+            _, ids = engine._tokenize(prompt)
+            token_prompts.append(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
+
+        def expand(sequences: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            step = SamplingParams(max_tokens=1, logprobs=k, temperature=0.0, detokenize=False,
+                                  ignore_eos=True)
+            outs = self.generate(
+                [{"prompt_token_ids": seq} for seq in sequences], step, use_tqdm=False
+            )
+            if bar is not None:
+                bar.update(1)
+            ranked = []
+            for out in outs:
+                top = out.outputs[0].logprobs[0]
+                best = sorted(top.items(), key=lambda kv: kv[1].logprob, reverse=True)[:k]
+                ranked.append([(tok, lp.logprob) for tok, lp in best])
+            return ranked
+
+        tokenizer = self.get_tokenizer()
+        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+        try:
+            return beam_search(
+                expand, token_prompts, params, engine.eos_token_ids,
+                max_model_len=engine.max_model_len, decode=decode,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+
     def _new_ids(self, n: int) -> list[str]:
         """Fresh request ids that no request in the engine uses (a user's own included)."""
         ids = []
@@ -163,7 +302,7 @@ class LLM:
                         continue
                     pending.discard(out.request_id)
                     done[out.request_id] = out
-                    num_output_tokens += len(out.outputs[0].token_ids)
+                    num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                     if bar is not None:
                         bar.update(1)
                         rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
@@ -209,6 +348,26 @@ def _as_users(user: Any, n: int) -> list[str | None]:
     if user is None:
         return [None] * n
     return _per_prompt("user", user, n, lambda u: u is None or isinstance(u, str), "a str or None")
+
+
+def _as_conversations(messages: Any) -> list[list[dict]]:
+    """One conversation or a list of them, each a list of message dicts."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a "
+            f"list of such lists, got {messages!r}"
+        )
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(conversations):
+        if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence):
+            raise ValueError(f"messages[{i}] must be a list of message dicts, got {conversation!r}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(
+                    f"message {j} of conversation {i} must be a dict with 'role' and "
+                    f"'content', got {message!r}"
+                )
+    return [list(c) for c in conversations]
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -89,6 +89,12 @@ class Request:
     # engine when the request needs them.
     detokenizer: Any = None
     grammar: Any = None
+    # What the engine has reported (DELTA outputs) and the vLLM-shaped logprob dicts it
+    # built, extended as tokens arrive rather than rebuilt every step.
+    num_reported_tokens: int = 0
+    num_reported_prompt_logprobs: int = 0
+    logprob_dicts: list = attrs.field(factory=list)
+    prompt_logprob_dicts: list = attrs.field(factory=list)
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property
@@ -122,10 +128,27 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
-    def append_output(self, token_id: int, logprob: float) -> None:
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all recorded yet (prefix hits would skip them)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        )
+
+    def append_output(self, token_id: int, logprob: float, top: Any = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.cumulative_logprob += logprob
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(top)
+
+    def add_prompt_logprobs(self, first: int, scores: Any) -> None:
+        """Record logprobs of prompt tokens ``first, first + 1, ...``; positions already
+        recorded (a recompute after preemption) are skipped."""
+        have = len(self.prompt_logprobs)
+        if first <= have:
+            self.prompt_logprobs.extend(scores[have - first :])
 
 
 @attrs.define(eq=False)

@@ -43,12 +43,15 @@ class BlockEvents:
 
     ``evicted`` lists every block whose cached content was dropped from the prefix index:
     reclaimed for reuse, cut by :meth:`KVCacheManager.truncate`, or after a failed policy.
+    ``forked`` lists the blocks :meth:`KVCacheManager.fork` shared with a new holder (once
+    per fork: a prompt shared by four samples appears three times).
     """
 
     allocated: tuple[int, ...] = ()
     freed: tuple[int, ...] = ()
     prefix_hits: tuple[int, ...] = ()
     evicted: tuple[int, ...] = ()
+    forked: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -92,7 +95,7 @@ class KVCacheManager:
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
-        self._log = {"allocated": [], "freed": [], "prefix_hits": [], "evicted": []}
+        self._log = {"allocated": [], "freed": [], "prefix_hits": [], "evicted": [], "forked": []}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -287,6 +290,7 @@ class KVCacheManager:
         if child.request_id == parent.request_id or self._tables.get(child.request_id):
             raise ValueError(f"child {child.request_id!r} already holds blocks")
         self.pool.share(parent_table)
+        self._log["forked"].extend(parent_table)
         self._tables[child.request_id] = list(parent_table)
         if parent.request_id in self._num_indexed:
             self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]

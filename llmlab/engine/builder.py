@@ -126,6 +126,8 @@ class EngineBuilder:
         attention = attention or TorchPagedAttention()
         layout = model.kv_layout
         sampler = self.sampler or Sampler()
+        if getattr(sampler, "tokenizer", False) is None:
+            sampler.tokenizer = tokenizer  # bad_words are tokenized with it
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed)
 
@@ -181,6 +183,7 @@ class EngineBuilder:
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
             default_sampling_params=default_sampling_params(model_path),
+            max_logprobs=cfg.max_logprobs,
         )
 
 
@@ -241,8 +244,9 @@ def _eos_token_ids(tokenizer, hf_config, model_path) -> frozenset[int]:
 
 def default_sampling_params(model_path) -> SamplingParams:
     """The checkpoint's recommended sampling settings (``generation_config.json``), as vLLM
-    uses them when no ``SamplingParams`` is given: temperature, top_p, top_k, min_p and
-    ``max_new_tokens`` (as ``max_tokens``); anything absent keeps the vLLM default."""
+    uses them when no ``SamplingParams`` is given: temperature, top_p, top_k, min_p,
+    repetition_penalty and ``max_new_tokens`` (as ``max_tokens``); anything absent keeps
+    the vLLM default."""
     path = pathlib.Path(model_path) / "generation_config.json"
     if not path.is_file():
         return SamplingParams()
@@ -252,7 +256,8 @@ def default_sampling_params(model_path) -> SamplingParams:
         logger.warning("ignoring unreadable %s: %s", path, err)
         return SamplingParams()
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-             "min_p": "min_p", "max_new_tokens": "max_tokens"}
+             "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+             "max_new_tokens": "max_tokens"}
     settings = {ours: gen[theirs] for theirs, ours in names.items() if gen.get(theirs) is not None}
     try:
         return SamplingParams(**settings)

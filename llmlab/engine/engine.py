@@ -29,7 +29,8 @@ from llmlab.engine.executor import Clock, Executor, real_clock
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.errors import RequestFailedError, component_name
-from llmlab.request import Request
+from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
+from llmlab.request import Request, RequestStatus, SampleGroup
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.scheduler.scheduler import Scheduler
@@ -63,7 +64,13 @@ class Engine:
     # generation_config.json settings, as vLLM does).
     default_sampling_params: SamplingParams = attrs.field(factory=SamplingParams)
     observers: list[StepObserver] = attrs.field(factory=list)
+    # Most logprobs a request may ask for (``EngineConfig.max_logprobs``; -1: no limit).
+    max_logprobs: int = 20
+    # Live requests by their own id (a parallel sample's id is ``f"{index}_{request_id}"``).
     _requests: dict[str, Request] = attrs.field(factory=dict)
+    # Requests with n > 1 or best_of > 1, by the id the caller gave.
+    _groups: dict[str, SampleGroup] = attrs.field(factory=dict)
+    _structured: Any = None  # the structured-output backend, built at first use
     _step_index: int = 0
     _aborted_since_step: list[str] = attrs.field(factory=list)
     # Outputs built but not yet returned (a step that raised after updating requests).
@@ -104,31 +111,123 @@ class Engine:
         if user is not None and not isinstance(user, str):
             raise TypeError(f"user must be a str or None, got {type(user).__name__} {user!r}")
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            keep = self.max_model_len if keep == -1 else keep
+            token_ids = token_ids[-keep:]  # vLLM keeps the end of the prompt
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, longer than max_model_len="
                 f"{self.max_model_len}"
             )
+        self._check_params(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._structured_backend().compile(params.structured_outputs)
+        with self._lock, deferred_interrupts():
+            members = self._new_requests(
+                request_id, token_ids, text, params, arrival_time, priority, user
+            )
+            for member in members:
+                if grammar is not None:
+                    member.grammar = self._structured.new_state(grammar)
+                if self.tokenizer is not None and member.sampling_params.detokenize:
+                    member.detokenizer = IncrementalDetokenizer.from_params(
+                        self.tokenizer, token_ids, member.sampling_params
+                    )
+            for member in members:
+                self._requests[member.request_id] = member
+            if members[0].group is not None:
+                self._groups[request_id] = members[0].group
+            self.scheduler.add(members[0])
+
+    def _new_requests(
+        self, request_id, token_ids, text, params, arrival_time, priority, user
+    ) -> list[Request]:
+        """The request, or its ``best_of`` parallel samples (the first one leads)."""
+        num = params.num_samples
+        ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
+        taken = [i for i in {request_id, *ids} if i in self._requests or i in self._groups]
+        if taken:
+            raise ValueError(f"request_id {taken[0]!r} is already in use")
+        arrival = self.clock() if arrival_time is None else arrival_time
+        group = SampleGroup(request_id, params.n) if num > 1 else None
+        members = []
+        for index, rid in enumerate(ids):
+            own = params
+            if num > 1:
+                # vLLM's rule: sample i draws from seed + i, so samples differ but repeat.
+                seed = None if params.seed is None else params.seed + index
+                own = attrs.evolve(params, n=1, best_of=None, seed=seed)
+            members.append(
+                Request(
+                    request_id=rid,
+                    prompt_token_ids=list(token_ids),
+                    sampling_params=own,
+                    arrival_time=arrival,
+                    priority=priority,
+                    user=user,
+                    prompt=text,
+                    eos_token_ids=self.eos_token_ids,
+                    group=group,
+                    index=index,
+                )
+            )
+            if params.prompt_logprobs is not None:
+                members[-1].prompt_logprobs = [None]  # the first token has no context
+        if group is not None:
+            group.members = members
+            members[0].forks = members[1:]
+        return members
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What only the engine can check: vocabulary, tokenizer, limits."""
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ValueError(
                     f"stop_token_ids contains {tok}, outside the vocabulary [0, {self.vocab_size})"
                 )
-        with self._lock, deferred_interrupts():
-            if request_id in self._requests:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            request = Request(
-                request_id=request_id,
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                arrival_time=self.clock() if arrival_time is None else arrival_time,
-                priority=priority,
-                user=user,
-                prompt=text,
-                eos_token_ids=self.eos_token_ids,
+        for field in ("allowed_token_ids",):
+            for tok in getattr(params, field) or ():
+                if tok >= self.vocab_size:
+                    raise ValueError(
+                        f"{field} contains {tok}, outside the vocabulary [0, {self.vocab_size})"
+                    )
+        for tok in params.logit_bias or ():
+            if tok >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias has token id {tok}, outside the vocabulary [0, {self.vocab_size})"
+                )
+        limit = self.max_logprobs
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, field)
+            if k is not None and limit != -1 and k > limit:
+                raise ValueError(
+                    f"{field}={k} is more than max_logprobs={limit} (an engine setting: "
+                    f"LLM(max_logprobs=...)); allowed: 0 to {limit}"
+                )
+        if params.num_samples > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"{'best_of' if params.best_of else 'n'}={params.num_samples} parallel samples "
+                f"cannot run at once with max_num_seqs={self.scheduler.max_num_seqs}"
             )
-            self._requests[request_id] = request
-            self.scheduler.add(request)
+        if self.tokenizer is None:
+            for field in ("stop", "bad_words"):
+                if getattr(params, field):
+                    raise ValueError(f"{field} needs a tokenizer (skip_tokenizer_init=True)")
+        elif params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
+
+    def _structured_backend(self):
+        if self._structured is None:
+            from llmlab.sampling.structured import StructuredOutputBackend
+
+            self._structured = StructuredOutputBackend(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        return self._structured
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         text = None
@@ -179,15 +278,29 @@ class Engine:
                 raise TypeError(f"request ids must be str, got {bad[0]!r}")
         with self._lock:
             with deferred_interrupts():
+                for group_id in ids & self._groups.keys():
+                    group = self._groups.pop(group_id)
+                    ids.update(m.request_id for m in group.members)
                 for request in self.scheduler.abort(ids):
                     self._requests.pop(request.request_id, None)
                     self._aborted_since_step.append(request.request_id)
+                    for member in self._drop_forks(request):
+                        self._aborted_since_step.append(member.request_id)
                 errors = self.scheduler.take_errors()
             _raise_first(errors)
 
+    def _drop_forks(self, request: Request) -> list[Request]:
+        """A request ended before its parallel samples forked: they end with it."""
+        forks, request.forks = request.forks, []
+        for member in forks:
+            member.status = request.status
+            member.error = request.error
+            self._requests.pop(member.request_id, None)
+        return forks
+
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is queued or running (so it cannot be reused yet)."""
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -250,25 +363,41 @@ class Engine:
         self, batch: ScheduledBatch, output: BatchOutput | None, start: float, model_time: float
     ) -> tuple[StepEvent | None, list[Exception]]:
         finished: list[Request] = []
+        progressed: list[tuple[Request, int]] = []  # (request, outputs before this step)
         if batch.entries:
+            for entry in batch.entries:
+                if entry.samples:
+                    progressed.append((entry.request, entry.request.num_output_tokens))
+                    progressed.extend((f, 0) for f in entry.forks)
             finished = self.scheduler.update(batch, output)
+        for request, before in progressed:
+            if request.num_output_tokens > before:
+                if self._advance_text(request, before):
+                    finished.append(request)
         errors = self.scheduler.take_errors()
         failed = [
             self._requests[e.request_id]
             for e in errors
             if isinstance(e, RequestFailedError) and e.request_id in self._requests
         ]
-        for entry in batch.entries:
-            request = entry.request
-            if not entry.samples or request in failed:
-                continue
-            kind = request.sampling_params.output_kind
-            if request.is_finished or kind is RequestOutputKind.CUMULATIVE:
-                self._undelivered.append(self._output(request))
         for request in failed:
-            self._undelivered.append(self._output(request))
+            finished.extend(self._drop_forks(request))
+        # One output per caller-visible request that progressed, in batch order.
+        touched: dict[str, Request] = {}
+        for request, before in progressed:
+            if request.num_output_tokens > before and request not in failed:
+                touched.setdefault(_caller_id(request), request)
+        for request in failed:
+            touched.setdefault(_caller_id(request), request)
+        for key, request in touched.items():
+            out = self._output(request)
+            if out is not None:
+                self._undelivered.append(out)
         for request in finished + failed:
             self._requests.pop(request.request_id, None)
+            group = request.group
+            if group is not None and group.is_finished:
+                self._groups.pop(group.request_id, None)
 
         blocks = self.scheduler.kv.drain_events()
         event = None
@@ -276,29 +405,124 @@ class Engine:
             event = self._event(batch, finished + failed, blocks, start, model_time)
         return event, errors
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _advance_text(self, request: Request, before: int) -> bool:
+        """Feed a request's new tokens to its grammar and detokenizer; True when a stop
+        string ended it now."""
+        new = request.output_token_ids[before:]
+        if request.grammar is not None and not request.grammar.is_terminated:
+            for token_id in new:
+                if not request.grammar.accept(token_id):
+                    logger.warning(
+                        "request %r: structured-output grammar rejected token %d",
+                        request.request_id, token_id,
+                    )
+                    break
+        detok = request.detokenizer
+        if detok is None:
+            return False
+        # The EOS or stop token that ended it stays out of the text (vLLM v1).
+        terminated = request.status is RequestStatus.FINISHED_STOPPED
+        matched = detok.update(new, request.num_output_tokens, stop_terminated=terminated)
+        if matched is not None and not request.is_finished:
+            request.stop_reason = matched
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
+
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The caller's view of ``request`` (all samples of its group), or None when its
+        output kind says nothing is due yet."""
+        group = request.group
+        members = group.members if group is not None else [request]
+        leader = members[0]
+        params = leader.sampling_params
+        kind = params.output_kind
+        done = all(m.is_finished for m in members)
+        n = group.n if group is not None else 1
+        if not done and (kind is RequestOutputKind.FINAL_ONLY or len(members) > n):
+            return None  # best_of > n: the best are known only at the end
+        chosen = members
+        if len(members) > n:
+            chosen = sorted(members, key=lambda m: m.cumulative_logprob, reverse=True)[:n]
+        delta = kind is RequestOutputKind.DELTA
+        completions = []
+        for index, member in enumerate(chosen):
+            completion = self._completion(member, index if len(members) > n else member.index,
+                                          delta)
+            if completion is not None:
+                completions.append(completion)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprob_dicts(leader)
+            if delta:
+                if leader.num_reported_prompt_logprobs:
+                    prompt_logprobs = None  # sent with the first delta
+                else:
+                    leader.num_reported_prompt_logprobs = len(prompt_logprobs)
+        return RequestOutput(
+            request_id=group.request_id if group is not None else request.request_id,
+            prompt=leader.prompt,
+            prompt_token_ids=leader.prompt_token_ids,
+            outputs=completions,
+            finished=done,
+            num_cached_tokens=leader.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _completion(self, request: Request, index: int, delta: bool) -> CompletionOutput | None:
         params = request.sampling_params
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                request.output_token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-        completion = CompletionOutput(
-            index=0,
+        detok = request.detokenizer
+        start = request.num_reported_tokens if delta else 0
+        if delta and start == request.num_output_tokens and not request.is_finished:
+            return None
+        finished = request.is_finished
+        if detok is None:
+            text = ""
+        elif delta:
+            text = detok.delta(finished)
+        else:
+            text = detok.text(finished)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = self._logprob_dicts(request)[start:]
+        if delta:
+            request.num_reported_tokens = request.num_output_tokens
+        return CompletionOutput(
+            index=index,
             text=text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
+            token_ids=request.output_token_ids[start:],
+            cumulative_logprob=request.cumulative_logprob if params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+
+    def _decoder(self, request: Request):
+        if self.tokenizer is None or not request.sampling_params.detokenize:
+            return None
+        tokenizer = self.tokenizer
+        return lambda token_id: decode_token(tokenizer, token_id)
+
+    def _logprob_dicts(self, request: Request) -> list[dict]:
+        """vLLM's per-position ``{token_id: Logprob}``, converted once per position."""
+        dicts = request.logprob_dicts
+        if len(dicts) < len(request.output_logprobs):
+            decode = self._decoder(request)
+            dicts.extend(
+                t.to_dict(decode) if t is not None else {}
+                for t in request.output_logprobs[len(dicts) :]
+            )
+        return dicts
+
+    def _prompt_logprob_dicts(self, request: Request) -> list[dict | None]:
+        dicts = request.prompt_logprob_dicts
+        if len(dicts) < len(request.prompt_logprobs):
+            decode = self._decoder(request)
+            dicts.extend(
+                t.to_dict(decode) if t is not None else None
+                for t in request.prompt_logprobs[len(dicts) :]
+            )
+        return list(dicts)
 
     def _event(self, batch, finished, blocks, start: float, model_time: float) -> StepEvent:
         kv = self.scheduler.kv
@@ -315,6 +539,7 @@ class Engine:
             blocks_freed=blocks.freed,
             blocks_prefix_hit=blocks.prefix_hits,
             blocks_evicted=blocks.evicted,
+            blocks_forked=blocks.forked,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             kv_usage=kv.usage,
@@ -338,6 +563,11 @@ class Engine:
                     _observer_name(observer),
                     event.step_index,
                 )
+
+
+def _caller_id(request: Request) -> str:
+    """The id the caller gave: the group's for a parallel sample."""
+    return request.group.request_id if request.group is not None else request.request_id
 
 
 def _observer_name(observer: object) -> str:

@@ -24,6 +24,8 @@ class StepEvent:
         finished: requests that finished this step, with ``(request_id, finish_reason)``.
         aborted: requests aborted since the previous step.
         blocks_allocated / blocks_freed / blocks_prefix_hit / blocks_evicted: block ids.
+        blocks_forked: blocks shared with a parallel sample (n / best_of) as it started,
+            once per sample: shared by reference, not copied.
         num_free_blocks / num_total_blocks: pool state after the step.
         kv_usage: fraction of blocks held by requests after the step.
         num_waiting / num_running: queue lengths after the step.
@@ -43,6 +45,7 @@ class StepEvent:
     blocks_freed: tuple[int, ...]
     blocks_prefix_hit: tuple[int, ...]
     blocks_evicted: tuple[int, ...]
+    blocks_forked: tuple[int, ...]
     num_free_blocks: int
     num_total_blocks: int
     kv_usage: float

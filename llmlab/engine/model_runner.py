@@ -25,8 +25,12 @@ from llmlab.attention.backend import (
     token_slots,
 )
 from llmlab.errors import ComponentError
+from llmlab.sampling.logprobs import gather_logprobs
 from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
+
+# Prompt positions scored at once for prompt_logprobs (bounds a [rows, vocab] tensor).
+_PROMPT_LOGPROBS_CHUNK = 256
 
 
 @attrs.define
@@ -84,10 +88,15 @@ class ModelRunner:
             return BatchOutput.empty()
         hidden = self.run_model(batch, self.kv_caches, self.attention_state)
 
-        scored_rows, scored_requests, counts = [], [], []
+        # Rows of ``hidden`` to sample from: each scoring entry's last position, once for
+        # the request and once more for each parallel sample it forks into.
+        scored_rows: list[int] = []
+        sample_requests = []
+        prompt_scores: list[Any] = [None] * len(batch.entries)
+        prompt_starts: list[int] = [0] * len(batch.entries)
         offset = 0
-        for entry in batch.entries:
-            offset += len(entry.token_ids)
+        for i, entry in enumerate(batch.entries):
+            base, offset = offset, offset + len(entry.token_ids)
             k = entry.num_scored
             if k > 1:
                 raise NotImplementedError(
@@ -95,22 +104,73 @@ class ModelRunner:
                     "runner samples one token per request (speculative verification is not "
                     "built yet)"
                 )
-            scored_rows.extend(range(offset - k, offset))
-            scored_requests.extend([entry.request] * k)
-            counts.append(k)
+            if k:
+                scored_rows.extend([offset - 1] * (1 + len(entry.forks)))
+                sample_requests.append(entry.request)
+                sample_requests.extend(entry.forks)
+            if entry.request.needs_prompt_logprobs:
+                scores = self._prompt_logprobs(entry, hidden, base)
+                if scores is not None:
+                    prompt_starts[i], prompt_scores[i] = scores
+        any_prompt = any(p is not None for p in prompt_scores)
+        prompt_fields = dict(
+            prompt_logprobs=tuple(prompt_scores) if any_prompt else None,
+            prompt_logprobs_start=tuple(prompt_starts) if any_prompt else None,
+        )
         if not scored_rows:
-            return BatchOutput.empty(len(batch.entries))
+            empty = BatchOutput.empty(len(batch.entries))
+            return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
         logits = self.model.compute_logits(hidden[scored_rows])
         try:
-            sampled = self.sampler(logits, scored_requests, self.generator)
+            sampled = self.sampler(logits, sample_requests, self.generator)
         except Exception as err:
             raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
-        token_ids, logprobs, i = [], [], 0
-        for k in counts:
-            token_ids.append(tuple(sampled.token_ids[i : i + k]))
-            logprobs.append(tuple(sampled.logprobs[i : i + k]))
-            i += k
-        return BatchOutput(tuple(token_ids), tuple(logprobs))
+        tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
+        token_ids, logprobs, top_logprobs, forks, j = [], [], [], [], 0
+        for entry in batch.entries:
+            if not entry.num_scored:
+                token_ids.append(())
+                logprobs.append(())
+                top_logprobs.append(())
+                forks.append(())
+                continue
+            token_ids.append((sampled.token_ids[j],))
+            logprobs.append((sampled.logprobs[j],))
+            top_logprobs.append((tops[j],))
+            j += 1
+            samples = []
+            for _ in entry.forks:
+                samples.append((sampled.token_ids[j], sampled.logprobs[j], tops[j]))
+                j += 1
+            forks.append(tuple(samples))
+        return BatchOutput(
+            tuple(token_ids),
+            tuple(logprobs),
+            top_logprobs=tuple(top_logprobs) if any(t is not None for t in tops) else None,
+            forks=tuple(forks) if any(forks) else None,
+            **prompt_fields,
+        )
+
+    def _prompt_logprobs(self, entry, hidden: torch.Tensor, base: int):
+        """Logprobs of the prompt tokens this entry's span predicts, not recorded before:
+        ``(first prompt position scored, [TokenLogprobs, ...])`` or None."""
+        request = entry.request
+        prompt = request.prompt_token_ids
+        # Position p predicts prompt token p + 1; tokens up to len(recorded) - 1 are done.
+        lo = max(entry.start, len(request.prompt_logprobs) - 1)
+        hi = min(entry.start + len(entry.token_ids), len(prompt) - 1)
+        if hi <= lo:
+            return None
+        k = request.sampling_params.prompt_logprobs
+        scores = []
+        # Chunks bound the [rows, vocab] logits of a long prompt.
+        for a in range(lo, hi, _PROMPT_LOGPROBS_CHUNK):
+            b = min(hi, a + _PROMPT_LOGPROBS_CHUNK)
+            rows = hidden[base + a - entry.start : base + b - entry.start]
+            lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = torch.tensor(prompt[a + 1 : b + 1], device=lp.device)
+            scores.extend(gather_logprobs(lp, targets, [k] * (b - a)))
+        return lo + 1, scores
 
     # -- tensors -----------------------------------------------------------------------
 

@@ -1,43 +1,62 @@
 """The batched sampler: one call per step turns the batch's logits into next tokens.
 
-Filters (top-k, top-p, min-p) run on the whole batch at once. Drawing uses the
-exponential-race form of categorical sampling, ``argmax(p / E)`` with ``E ~ Exp(1)``, so a
-request with its own seed draws its noise from its own generator: the same seed gives the
-same tokens whatever else shares the batch. Unseeded rows share the engine's generator.
+``Sampler(logits[N, V], requests, generator)``: row ``i`` belongs to ``requests[i]``.
+
+1. The raw logprobs, ``log_softmax`` of the unprocessed logits, are kept for reporting
+   (vLLM's ``raw_logprobs``): the sampled token's, and the top ``logprobs`` per row.
+2. A float32 copy of the logits runs through ``Sampler.processors``, a list of
+   :class:`~llmlab.sampling.processors.LogitsProcessor` over the whole batch (see
+   :mod:`llmlab.sampling.processors` for the default pipeline and its order: custom
+   processors, allowed ids, bad words, logit bias, min tokens, structured outputs,
+   penalties, temperature, top-k, top-p, min-p). Replace or extend the list to change it.
+3. Greedy rows (``temperature == 0``) take the argmax of the processed logits. Random rows
+   draw with the exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``, so a request with
+   its own seed draws its noise from its own generator: the same seed gives the same
+   tokens whatever else shares the batch. Unseeded rows share the engine's generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+from llmlab.sampling.logprobs import TokenLogprobs, gather_logprobs
+from llmlab.sampling.processors import (
+    LogitsProcessor,
+    SamplingBatch,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    default_processors,
+)
 
 if TYPE_CHECKING:
     from llmlab.request import Request
 
 
+def _default_top(self: SamplerOutput) -> list[TokenLogprobs | None]:
+    return [None] * len(self.token_ids)
+
+
 @attrs.frozen
 class SamplerOutput:
+    """One step's result, per row.
+
+    Attributes:
+        token_ids: the chosen token.
+        logprobs: its log-probability under the model's raw (unprocessed) distribution.
+        top: the chosen token with its rank, then the ``logprobs`` most likely tokens with
+            ranks 1..k, for rows whose ``sampling_params.logprobs`` is set; None otherwise.
+    """
+
     token_ids: list[int]
-    # Log-probability of each chosen token under the model's raw distribution.
     logprobs: list[float]
-
-
-def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    vocab = logits.shape[-1]
-    for row, r in enumerate(requests):
-        params = r.sampling_params
-        if r.num_output_tokens < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned.extend(r.eos_token_ids)
-            # Ids past the logits (possible when the tokenizer knows more tokens than the
-            # model scores) can never be sampled, so there is nothing to suppress.
-            banned = [t for t in banned if t < vocab]
-            if banned:
-                logits[row, banned] = float("-inf")
+    top: list[TokenLogprobs | None] = attrs.field(
+        default=attrs.Factory(_default_top, takes_self=True)
+    )
 
 
 def filtered_probs(
@@ -47,26 +66,22 @@ def filtered_probs(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (each ``[N]``; 0 = off for k).
+    """Probabilities after temperature, top-k, top-p and min-p (each ``[N]``; top_k 0 or -1
+    or >= V is off, top_p 1 and min_p 0 are off), as the default processors apply them.
 
-    The returned rows are renormalised; filtered entries are exactly 0.
+    Each filter renormalises what the previous one kept. The returned rows sum to 1;
+    filtered entries are exactly 0.
     """
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    vocab = probs.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=probs.device)
-        k = torch.where(top_k > 0, top_k, vocab)
-        drop = rank[None, :] >= k[:, None]
-        # Keep a token while the mass strictly before it is below top_p (so at least one).
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    logits = logits.float() / temperature[:, None]
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    if bool((k < vocab).any()):
+        logits = apply_top_k(logits, k)
+    if bool((top_p < 1).any()):
+        logits = apply_top_p(logits, top_p.float())
     if bool((min_p > 0).any()):
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+        logits = apply_min_p(logits, min_p.float())
+    return torch.softmax(logits, dim=-1)
 
 
 def _own_generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -82,9 +97,18 @@ def _own_generator(request: Request, device: torch.device) -> torch.Generator | 
 
 @attrs.define
 class Sampler:
-    """Greedy and random sampling for a batch of requests (one new token each)."""
+    """Greedy and random sampling for a batch of requests (one new token each).
+
+    Attributes:
+        name: a label for reports.
+        processors: the logits pipeline, applied in order (default:
+            :func:`~llmlab.sampling.processors.default_processors`).
+        tokenizer: needed only by requests with ``bad_words`` (their tokenization).
+    """
 
     name: str = "default"
+    processors: list[LogitsProcessor] = attrs.field(factory=default_processors)
+    tokenizer: Any = None
 
     def __call__(
         self,
@@ -92,47 +116,57 @@ class Sampler:
         requests: Sequence[Request],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        logits = logits.float()
-        _apply_min_tokens(logits, requests)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        if len(requests) != logits.shape[0]:
+            raise ValueError(
+                f"{logits.shape[0]} rows of logits for {len(requests)} requests"
+            )
+        if not requests:
+            return SamplerOutput([], [], [])
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # The processors' own copy (contiguous even if ``logits`` is an expanded view).
+        work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        batch = SamplingBatch(requests, work.shape[-1], work.device, tokenizer=self.tokenizer)
+        for processor in self.processors:
+            work = processor(work, batch)
+
+        tokens = self._draw(work, batch, generator)
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
+
+    def _draw(
+        self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        rows = batch.random_rows
+        if not rows:
+            return logits.argmax(dim=-1)
+        if len(rows) == batch.num_rows:
+            return self._sample(logits, batch, rows, generator)
         tokens = logits.argmax(dim=-1)
-
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if random_rows:
-            tokens[random_rows] = self._sample(logits, requests, random_rows, generator)
-
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return SamplerOutput(tokens.tolist(), chosen.tolist())
+        index = batch.index(rows)
+        tokens[index] = self._sample(logits.index_select(0, index), batch, rows, generator)
+        return tokens
 
     def _sample(
         self,
         logits: torch.Tensor,
-        requests: Sequence[Request],
+        batch: SamplingBatch,
         rows: list[int],
         generator: torch.Generator | None,
     ) -> torch.Tensor:
-        device = logits.device
-        params = [requests[i].sampling_params for i in rows]
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        vocab = logits.shape[-1]
-        probs = filtered_probs(
-            logits[rows],
-            column([p.temperature for p in params], torch.float32),
-            # A top_k beyond the vocabulary keeps everything (and would overflow a long).
-            column([min(max(p.top_k, 0), vocab) for p in params], torch.long),
-            column([p.top_p for p in params], torch.float32),
-            column([p.min_p for p in params], torch.float32),
-        )
+        """Exponential race over ``logits`` (the processed logits of ``rows``)."""
+        probs = torch.softmax(logits, dim=-1)
+        device = probs.device
+        requests = batch.requests
         noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rows) if requests[i].sampling_params.seed is None]
-        if unseeded:
-            shared = torch.empty(len(unseeded), probs.shape[1], device=device)
-            noise[unseeded] = shared.exponential_(generator=generator)
-        for j, i in enumerate(rows):
-            own = _own_generator(requests[i], device)
-            if own is not None:
-                noise[j].exponential_(generator=own)
+        seeded = [j for j, i in enumerate(rows) if batch.params[i].seed is not None]
+        if len(seeded) < len(rows):
+            if not seeded:
+                noise.exponential_(generator=generator)
+            else:
+                unseeded = sorted(set(range(len(rows))) - set(seeded))
+                shared = torch.empty(len(unseeded), probs.shape[1], device=device)
+                noise[unseeded] = shared.exponential_(generator=generator)
+        for j in seeded:
+            noise[j].exponential_(generator=_own_generator(requests[rows[j]], device))
         return (probs / noise).argmax(dim=-1)

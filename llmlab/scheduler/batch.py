@@ -18,7 +18,7 @@ tokens per request (n > 1, beams, accepted speculative drafts) needs no contract
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -42,6 +42,9 @@ class ScheduledRequest:
             the sampler): 1 when the span reaches the request's last known token, 0 for a
             prefill chunk that stops short of it.
         new_row: first step on this row since it was assigned (per-row state starts here).
+        forks: parallel samples (n / best_of) that start at this entry's sample: each is
+            drawn from the same logits, independently, with its own parameters and
+            generator; the scheduler then gives each the request's KV blocks by reference.
     """
 
     request: Request
@@ -51,6 +54,7 @@ class ScheduledRequest:
     block_table: tuple[int, ...]
     num_scored: int
     new_row: bool = False
+    forks: tuple[Request, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -111,10 +115,23 @@ class BatchOutput:
             nothing). The scheduler appends them one by one and stops at the first that
             ends the request.
         logprobs: the log-probability of each of those tokens.
+        top_logprobs: per entry, per token, the chosen and top-k logprobs
+            (:class:`~llmlab.sampling.logprobs.TokenLogprobs`) for requests that asked for
+            ``logprobs``, else None; the whole field is None when no entry asked.
+        prompt_logprobs: per entry, the logprobs of the prompt tokens this step computed
+            (position ``p`` scores prompt token ``p + 1``), or None; None when none asked.
+        prompt_logprobs_start: per entry, the prompt position whose token the first of
+            ``prompt_logprobs`` scores.
+        forks: per entry, one ``(token_id, logprob, TokenLogprobs | None)`` per request in
+            the entry's ``forks``; None when no entry forks.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[float, ...], ...]
+    top_logprobs: tuple[tuple[Any, ...], ...] | None = None
+    prompt_logprobs: tuple[tuple[Any, ...] | None, ...] | None = None
+    prompt_logprobs_start: tuple[int, ...] | None = None
+    forks: tuple[tuple[tuple[int, float, Any], ...], ...] | None = None
 
     @classmethod
     def from_lists(

@@ -76,6 +76,10 @@ class Scheduler:
     _driver: Any = attrs.field(init=False)
     _free_rows: list[int] = attrs.field(init=False)  # a heap: lowest row first
     _released_rows: list[int] = attrs.field(init=False, factory=list)
+    # Rows held for the parallel samples a running request will fork into (by request id).
+    _reserved_rows: dict[str, list[int]] = attrs.field(init=False, factory=dict)
+    # Requests forked into running whose first entry is still to come (new_row=True then).
+    _unstarted: set[int] = attrs.field(init=False, factory=set)
     _errors: list[Exception] = attrs.field(init=False, factory=list)
     _next_seq: int = attrs.field(init=False, default=0)
     _now: float = attrs.field(init=False, default=0.0)  # the last step's schedule time
@@ -273,15 +277,17 @@ class Scheduler:
 
         Preempting for it gives back the budget of the victims' entries in this step.
         """
+        rows_needed = 1 + len(request.forks)
         while True:
-            prefix = self.kv.lookup_prefix(request)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            prefix = [] if request.needs_prompt_logprobs else self.kv.lookup_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             if not self.chunked_prefill and remaining > budget:
                 return None, budget
             num_new = min(remaining, budget)
             allocated = False
-            if self._free_rows:
+            if len(self._free_rows) >= rows_needed:
                 try:
                     allocated = self.kv.allocate(request, num_new, prefix)
                 except ComponentError as err:
@@ -289,7 +295,7 @@ class Scheduler:
                     return None, budget
             if allocated:
                 break
-            if self._free_rows and not self.running and not entries:
+            if len(self._free_rows) >= rows_needed and not self.running and not entries:
                 # Nothing holds blocks, so the whole pool was on offer: it never fits.
                 self._fail(request, self._too_big(request, num_cached + num_new))
                 return False, budget
@@ -316,6 +322,10 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
         request.row = heapq.heappop(self._free_rows)
+        if request.forks:  # rows for its parallel samples, taken when they fork
+            self._reserved_rows[request.request_id] = [
+                heapq.heappop(self._free_rows) for _ in request.forks
+            ]
         del self._waiting[request.request_id]
         self.running.append(request)
         entries.append(self._entry(request, num_new, new_row=True))
@@ -324,14 +334,19 @@ class Scheduler:
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        scored = end == request.num_tokens
+        if self._unstarted and id(request) in self._unstarted:
+            self._unstarted.discard(id(request))
+            new_row = True
         return ScheduledRequest(
             request=request,
             row=request.row,
             start=start,
             token_ids=tuple(request.all_token_ids[start:end]),
             block_table=tuple(self.kv.block_ids(request.request_id)),
-            num_scored=1 if end == request.num_tokens else 0,
+            num_scored=1 if scored else 0,
             new_row=new_row,
+            forks=tuple(request.forks) if scored else (),
         )
 
     def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
@@ -341,17 +356,13 @@ class Scheduler:
         dropped (so a verifier or a multi-token step can overshoot safely). Then the policy
         hears what each request was served (``on_step``) and which finished (``remove``).
         """
-        if len(output.token_ids) != len(batch.entries) or len(output.logprobs) != len(
-            batch.entries
-        ):
-            raise ValueError(
-                f"executor returned {len(output.token_ids)} token lists and "
-                f"{len(output.logprobs)} logprob lists for {len(batch.entries)} entries"
-            )
+        _check_output(batch, output)
         on_step = self._optional("on_step")
         served: list[Served] = []
         finished = []
-        for entry, token_ids, logprobs in zip(batch.entries, output.token_ids, output.logprobs):
+        for i, (entry, token_ids, logprobs) in enumerate(
+            zip(batch.entries, output.token_ids, output.logprobs)
+        ):
             request = entry.request
             if request.is_finished:  # aborted while the step ran
                 continue
@@ -361,9 +372,22 @@ class Scheduler:
             new_prompt = max(0, prompt_end - max(entry.start, request.num_prompt_computed))
             request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
             self.kv.cache_computed_blocks(request)
+            if output.prompt_logprobs is not None and output.prompt_logprobs[i]:
+                request.add_prompt_logprobs(
+                    output.prompt_logprobs_start[i], output.prompt_logprobs[i]
+                )
+            if entry.forks and request.forks:
+                # Before the request's own token: a request that finishes now frees its
+                # blocks, and the forks take them by reference first.
+                for member in self._fan_out(request, output.forks[i]):
+                    if on_step is not None:
+                        served.append(Served(member.view, 0, 0, 1))
+                    if member.is_finished:
+                        finished.append(member)
+            tops = output.top_logprobs[i] if output.top_logprobs is not None else None
             num_generated = 0
-            for token_id, logprob in zip(token_ids, logprobs, strict=True):
-                request.append_output(token_id, logprob)
+            for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+                request.append_output(token_id, logprob, tops[j] if tops else None)
                 num_generated += 1
                 status = self._stop_status(request, token_id)
                 if status is not None:
@@ -377,6 +401,38 @@ class Scheduler:
         for request in finished:
             self._forget(request)
         return finished
+
+    def _fan_out(self, leader: Request, samples) -> list[Request]:
+        """Start the leader's parallel samples: each takes the leader's KV blocks by
+        reference (the partly filled last block is copied when first written), a reserved
+        row, and its own first token."""
+        members, leader.forks = leader.forks, []
+        rows = self._reserved_rows.pop(leader.request_id)
+        for member, row, (token_id, logprob, top) in zip(members, rows, samples, strict=True):
+            self.kv.fork(leader, member)
+            member.num_computed_tokens = leader.num_computed_tokens
+            member.num_prompt_computed = leader.num_prompt_computed
+            member.num_cached_tokens = leader.num_cached_tokens
+            member.status = RequestStatus.RUNNING
+            member.row = row
+            member.seq = self._next_seq
+            self._next_seq += 1
+            self.running.append(member)
+            self._unstarted.add(id(member))
+            member.append_output(token_id, logprob, top)
+            status = self._stop_status(member, token_id)
+            if status is not None:
+                self._finish(member, status)
+                self._forget(member)
+        return members
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running request for a reason decided above the scheduler (a stop string
+        matched in its text): frees its blocks and row, and tells the policy."""
+        if request.is_finished or request not in self.running:
+            return
+        self._finish(request, status)
+        self._forget(request)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -399,6 +455,10 @@ class Scheduler:
             heapq.heappush(self._free_rows, request.row)
             self._released_rows.append(request.row)
             request.row = None
+        # Rows held for forks that never happened were never used by any executor.
+        for row in self._reserved_rows.pop(request.request_id, ()):
+            heapq.heappush(self._free_rows, row)
+        self._unstarted.discard(id(request))
 
     def _free_blocks(self, request: Request) -> None:
         try:
@@ -493,3 +553,22 @@ class Scheduler:
                 f"returned {answer!r}, which is not {allowed}",
             )
         )
+
+
+def _check_output(batch: ScheduledBatch, output: BatchOutput) -> None:
+    """An executor's answer must cover the batch, forks included, before anything moves."""
+    n = len(batch.entries)
+    if len(output.token_ids) != n or len(output.logprobs) != n:
+        raise ValueError(
+            f"executor returned {len(output.token_ids)} token lists and "
+            f"{len(output.logprobs)} logprob lists for {n} entries"
+        )
+    for i, entry in enumerate(batch.entries):
+        if entry.forks and (
+            output.forks is None or len(output.forks[i]) != len(entry.forks)
+        ):
+            got = None if output.forks is None else len(output.forks[i])
+            raise ValueError(
+                f"entry {entry.request_id!r} forks into {len(entry.forks)} parallel samples "
+                f"but the executor returned {got} samples for them"
+            )

@@ -1,0 +1,558 @@
+"""Structured outputs (JSON schema, regex, choice, EBNF grammar, JSON object) as a logits mask.
+
+Built on `xgrammar <https://github.com/mlc-ai/xgrammar>`_, imported only when the first
+constrained request arrives. One :class:`StructuredOutputBackend` per engine compiles a
+request's :class:`~llmlab.sampling.params.StructuredOutputsParams` once (an LRU cache keyed
+by the constraint) into a :class:`CompiledGrammar`; every sequence gets its own
+:class:`GrammarState` (the matcher: where in the grammar the output is). Each step,
+:func:`apply_grammar_masks` puts ``-inf`` on every token a row's grammar forbids, for the
+whole batch at once; after the draw the engine feeds the token to :meth:`GrammarState.accept`.
+
+What the mask guarantees, beyond "the text so far is a prefix of a sentence of the grammar":
+
+* Tokens the tokenizer does not have (ids the model's padded vocabulary adds) and the
+  tokenizer's special tokens other than EOS (``<s>``, pad, ...) are never allowed: their
+  text is not what a detokenizer that skips special tokens prints.
+* EOS is allowed exactly when the output is a complete sentence; once a state has accepted
+  EOS it allows only EOS.
+* A row is never left with no token at all: if a grammar dead-ends (a rule that can never
+  finish, e.g. ``x ::= x "b"``) the row allows only EOS, with a warning, so the draw never
+  sees an all ``-inf`` row. A grammar that matches nothing is refused at compile time.
+* JSON strings hold no raw control characters and no UTF-8-encoded surrogates (two holes
+  in xgrammar 0.2.8's JSON grammars, patched here), so ``json.loads`` takes the output and
+  ``maxLength`` holds for the decoded text.
+
+JSON (``json`` and ``json_object``) is generated on one line with fixed separators
+(``", "`` and ``": "``, as ``json.dumps`` writes it; xgrammar's ``any_whitespace=False``):
+JSON allows any amount of whitespace between tokens, and a model that puts weight on
+whitespace (a random-weight one always does; real ones drift into ``\\n\\n\\n...`` too) can then
+emit it forever without the document ever closing. With fixed separators every allowed
+token advances the document. ``whitespace_pattern`` is therefore ignored.
+
+Threading: :meth:`StructuredOutputBackend.compile` may be called from any thread (the cache
+is locked; xgrammar's compiler is thread-safe and releases the GIL for most of a compile). A
+:class:`GrammarState` is not thread-safe: one thread (the engine's step loop) drives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+
+from llmlab.sampling.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CacheInfo",
+    "CompiledGrammar",
+    "GrammarState",
+    "StructuredOutputBackend",
+    "apply_grammar_masks",
+]
+
+# Dtypes xgrammar's CPU kernel handles; anything else (float64, ...) goes through its
+# plain-torch kernel.
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The character classes xgrammar (<= 0.2.8) writes for the characters of a JSON string,
+# and what they should be. A string with minLength/maxLength gets [^"\\\r\n], which lets
+# raw control characters (U+0000-U+001F) in: not JSON (json.loads rejects them). And a
+# negated class matches the UTF-8 encoding of a surrogate (bytes ED A0-BF xx), which is not
+# UTF-8: it decodes to three U+FFFD, so the text breaks maxLength and is not what the
+# grammar matched. (Regex "." and [^...] in user regexes and grammars keep that hole.)
+_JSON_STRING_CLASSES = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
+_JSON_STRING_CHARS = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes
+# "Check failed: (cond) is false: ".
+_XGR_ERROR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as err:
+        raise ImportError(
+            "structured outputs (structured_outputs / guided_decoding) need the xgrammar "
+            "package: pip install xgrammar"
+        ) from err
+    return xgrammar
+
+
+def _xgr_message(err: BaseException) -> str:
+    text = str(err).strip()
+    return _XGR_ERROR_PREFIX.sub("", text).strip() or type(err).__name__
+
+
+def _special_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of the tokenizer's special tokens (named ones and added tokens marked special)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for idx, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(idx))
+    return ids
+
+
+class CacheInfo(NamedTuple):
+    """Compiled-grammar cache statistics (as ``functools.lru_cache`` reports them)."""
+
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+@attrs.frozen(eq=False)
+class CompiledGrammar:
+    """A compiled constraint, shared by every sequence that uses it (read-only).
+
+    Attributes:
+        key: the cache key: the kind and a canonical form of the constraint.
+        xgr_grammar: xgrammar's ``CompiledGrammar``.
+    """
+
+    key: tuple
+    xgr_grammar: Any = attrs.field(repr=False)
+    _owner: StructuredOutputBackend = attrs.field(repr=False, alias="owner")
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return self.key[0]
+
+
+class StructuredOutputBackend:
+    """Compiles constraints for one tokenizer and vocabulary; one per engine.
+
+    Args:
+        tokenizer: the Hugging Face tokenizer the model's output is decoded with.
+        vocab_size: the model's vocabulary (the logits' last dimension); may exceed the
+            tokenizer's, and the ids beyond it are never allowed.
+        eos_token_ids: the ids that end a sequence; the grammar allows them exactly when
+            the output is complete. Ids at or beyond ``vocab_size`` are ignored.
+        max_cache_entries: compiled grammars kept (least recently used dropped first).
+        compile_threads: threads xgrammar uses to compile one grammar.
+
+    Raises:
+        ImportError: xgrammar is not installed.
+        ValueError: no EOS id inside the vocabulary, or a tokenizer xgrammar cannot read.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        *,
+        max_cache_entries: int = 256,
+        compile_threads: int = 8,
+    ) -> None:
+        xgr = _import_xgrammar()
+        vocab_size = int(vocab_size)
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        if max_cache_entries < 1:
+            raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
+        eos = tuple(dict.fromkeys(int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size))
+        if not eos:
+            raise ValueError(
+                f"structured outputs need an EOS token id inside the vocabulary [0, {vocab_size})"
+            )
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+        self.max_cache_entries = int(max_cache_entries)
+
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos)
+            )
+        except (ValueError, RuntimeError, TypeError, AttributeError) as err:
+            raise ValueError(
+                f"structured outputs cannot use this tokenizer ({type(tokenizer).__name__}): "
+                f"{_xgr_message(err)}"
+            ) from err
+        banned = {t for t in _special_token_ids(tokenizer) if t < vocab_size} - set(eos)
+        if banned:
+            # xgrammar only treats tokens whose text is empty as special, so "<s>" would be
+            # allowed as the three characters "<s>". Blank them: xgrammar never allows an
+            # empty token (which is also how the ids beyond the tokenizer's vocab are kept out).
+            encoded = [""] * vocab_size
+            for text, idx in tokenizer.get_vocab().items():
+                if idx < vocab_size and idx not in banned:
+                    encoded[idx] = text
+            info = xgr.TokenizerInfo(
+                encoded,
+                info.vocab_type,
+                vocab_size=vocab_size,
+                stop_token_ids=list(eos),
+                add_prefix_space=info.add_prefix_space,
+            )
+        self.tokenizer_info = info
+        # Ids xgrammar never accepts; accept() refuses them before xgrammar logs a warning.
+        self._never = frozenset(info.special_token_ids) - set(eos)
+        # We cache ourselves (bounded); xgrammar's own cache is unbounded by default.
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=int(compile_threads), cache_enabled=False
+        )
+        self._xgr = xgr
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
+        self._hits = 0
+        self._misses = 0
+
+        self.bitmask_width = (vocab_size + 31) // 32
+        eos_row = torch.zeros(self.bitmask_width, dtype=torch.int64)
+        for t in eos:
+            eos_row[t // 32] |= 1 << (t % 32)
+        # int32 with the same bits (bit 31 makes a word negative).
+        self._eos_row = torch.where(eos_row >= 2**31, eos_row - 2**32, eos_row).to(torch.int32)
+        tail = vocab_size % 32
+        self._last_word_bits = -1 if tail == 0 else (1 << tail) - 1
+
+    # ------------------------------------------------------------------ compilation
+
+    def compile(self, params: StructuredOutputsParams | Mapping) -> CompiledGrammar:
+        """The compiled grammar for ``params`` (cached; thread-safe).
+
+        Raises:
+            ValueError: naming the field (``structured_outputs.json`` / ``.regex`` /
+                ``.choice`` / ``.grammar``) and why: an invalid or unsupported JSON schema,
+                regex or grammar, or one that matches no text.
+        """
+        if isinstance(params, Mapping):
+            params = StructuredOutputsParams(**params)
+        if not isinstance(params, StructuredOutputsParams):
+            raise TypeError(
+                "expected StructuredOutputsParams (or GuidedDecodingParams), got "
+                f"{type(params).__name__} {params!r}"
+            )
+        key = _cache_key(params)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return hit
+        # Compiled outside the lock: a large schema takes a while, and other requests'
+        # compilations (and cache hits) need not wait for it.
+        compiled = CompiledGrammar(key, self._compile(key), owner=self)
+        with self._lock:
+            self._misses += 1
+            compiled = self._cache.setdefault(key, compiled)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_cache_entries:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, self.max_cache_entries, len(self._cache))
+
+    def _compile(self, key: tuple) -> Any:
+        kind, spec = key[0], key[1] if len(key) > 1 else None
+        field = f"structured_outputs.{kind}"
+        if kind == "choice":
+            spec = _choice_grammar(spec)  # a ValueError naming the entry
+        try:
+            if kind == "json":
+                compiled = self._compile_json(spec, strict=True)
+            elif kind == "json_object":
+                # Any object: not xgrammar's builtin JSON grammar, which also admits a
+                # top-level array and free whitespace. strict_mode=False: properties of
+                # any name and value.
+                compiled = self._compile_json('{"type": "object"}', strict=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            elif kind == "choice" or kind == "grammar":
+                compiled = self._compiler.compile_grammar(spec)
+            else:  # pragma: no cover - _cache_key knows every kind
+                raise AssertionError(kind)
+        except (RuntimeError, ValueError, TypeError) as err:
+            what = {
+                "json": "is not a usable JSON schema",
+                "regex": "is not a supported regular expression",
+                "choice": "could not be compiled",
+                "grammar": "is not a valid EBNF grammar",
+                "json_object": "could not be compiled",
+            }[kind]
+            raise ValueError(f"{field} {what}: {_xgr_message(err)}") from None
+        if not self._matches_something(compiled):
+            raise ValueError(f"{field} matches no text: no token can start the output")
+        return compiled
+
+    def _compile_json(self, schema: str, *, strict: bool) -> Any:
+        xgr = self._xgr
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+        text = fixed = str(grammar)
+        for wrong in _JSON_STRING_CLASSES:
+            fixed = fixed.replace(wrong, _JSON_STRING_CHARS)
+        if fixed != text:
+            try:
+                return self._compiler.compile_grammar(fixed)
+            except RuntimeError as err:  # the printed grammar did not parse back
+                logger.warning(
+                    "JSON string fix for xgrammar not applied (%s); strings may admit raw "
+                    "control characters", _xgr_message(err),
+                )
+        return self._compiler.compile_grammar(grammar)
+
+    def _matches_something(self, compiled: Any) -> bool:
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = torch.empty((1, self.bitmask_width), dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(self._rows_nonempty(bitmask)[0])
+
+    def _rows_nonempty(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """Per row of a filled CPU bitmask: does it allow any token below vocab_size?"""
+        any_full = (bitmask[:, :-1] != 0).any(dim=1)
+        return any_full | ((bitmask[:, -1] & self._last_word_bits) != 0)
+
+    # ------------------------------------------------------------------ states
+
+    def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+        """A fresh matcher at the start of ``compiled`` (one per sequence)."""
+        if not isinstance(compiled, CompiledGrammar):
+            raise TypeError(
+                f"new_state needs a CompiledGrammar from compile(), got {type(compiled).__name__}"
+            )
+        if compiled._owner is not self:
+            raise ValueError("this grammar was compiled by another StructuredOutputBackend")
+        return GrammarState(self, self._xgr.GrammarMatcher(compiled.xgr_grammar), compiled)
+
+
+class GrammarState:
+    """Where one sequence is in its grammar. Not thread-safe.
+
+    Build with :meth:`StructuredOutputBackend.new_state`.
+    """
+
+    __slots__ = ("_backend", "_extra_eos", "_matcher", "_warned", "compiled")
+
+    def __init__(self, backend: StructuredOutputBackend, matcher: Any, compiled: CompiledGrammar):
+        self._backend = backend
+        self._matcher = matcher
+        self._extra_eos = 0  # EOS tokens accepted after termination (each a no-op)
+        self._warned = False
+        self.compiled = compiled
+
+    def __repr__(self) -> str:
+        return f"GrammarState({self.compiled.key[0]}, terminated={self.is_terminated})"
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once EOS was accepted: the output is complete and only EOS is allowed."""
+        return self._matcher.is_terminated()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (and the state unchanged) if the grammar forbids it.
+
+        A terminated state accepts EOS again (what its mask allows) and nothing else.
+        """
+        token_id = int(token_id)
+        backend = self._backend
+        if self._matcher.is_terminated():
+            if token_id in backend.eos_token_ids:
+                self._extra_eos += 1
+                return True
+            return False
+        if not 0 <= token_id < backend.vocab_size or token_id in backend._never:
+            return False
+        return bool(self._matcher.accept_token(token_id))
+
+    def accept_many(self, token_ids: Iterable[int]) -> int:
+        """Accept tokens in order until one is forbidden; the number accepted."""
+        n = 0
+        for token_id in token_ids:
+            if not self.accept(token_id):
+                break
+            n += 1
+        return n
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (e.g. rejected speculative ones)."""
+        num_tokens = int(num_tokens)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        undo_eos = min(num_tokens, self._extra_eos)
+        self._extra_eos -= undo_eos
+        if num_tokens - undo_eos:
+            self._matcher.rollback(num_tokens - undo_eos)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed next tokens into row ``index`` of ``bitmask`` (CPU, int32,
+        ``[rows, ceil(vocab_size / 32)]``; bit ``t % 32`` of word ``t // 32`` is token t)."""
+        self._fill(bitmask, index)
+        if not bool(self._backend._rows_nonempty(bitmask[index : index + 1])[0]):
+            self._dead_end(bitmask, index)
+
+    def _fill(self, bitmask: torch.Tensor, index: int) -> None:
+        """fill_bitmask without the dead-end check (the batch does it once for all rows)."""
+        if self._matcher.is_terminated():
+            bitmask[index] = self._backend._eos_row
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def _dead_end(self, bitmask: torch.Tensor, index: int) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "structured output (%s) reached a point where its grammar allows no token; "
+                "allowing only EOS (the output is incomplete)",
+                self.compiled.kind,
+            )
+        bitmask[index] = self._backend._eos_row
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, states: Sequence[GrammarState | None]
+) -> None:
+    """In place: ``-inf`` on every token row ``i``'s grammar forbids now, for each row whose
+    ``states[i]`` is not None; the other rows are left untouched (bit for bit).
+
+    ``logits`` is ``[len(states), V]`` on any device, float32 / bfloat16 / float16 (other
+    float dtypes take a slower path). ``V`` is at least the backend's ``vocab_size``; columns
+    beyond it are forbidden in constrained rows. One bitmask for the batch is filled on the
+    CPU (one xgrammar call per constrained row), copied to the logits' device (pinned,
+    non-blocking, on CUDA) and applied by one xgrammar kernel call.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(
+            f"logits must be [len(states), vocab] = [{len(states)}, V], got {tuple(logits.shape)}"
+        )
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return
+    backend = states[rows[0]]._backend
+    vocab = backend.vocab_size
+    for i in rows:
+        if states[i]._backend.vocab_size != vocab:
+            raise ValueError("grammar states of one batch must share a vocabulary size")
+    if logits.shape[1] < vocab:
+        raise ValueError(
+            f"logits have {logits.shape[1]} columns, fewer than the grammar's vocabulary {vocab}"
+        )
+    on_cuda = logits.device.type == "cuda"
+    # Row i of the bitmask goes with row i of the logits (xgrammar's kernels index both by
+    # the same row id); rows without a grammar are never read.
+    bitmask = torch.empty(
+        (logits.shape[0], backend.bitmask_width), dtype=torch.int32, pin_memory=on_cuda
+    )
+    for i in rows:
+        states[i]._fill(bitmask, i)
+    indices = None if len(rows) == logits.shape[0] else rows
+    filled = bitmask if indices is None else bitmask[rows]
+    nonempty = backend._rows_nonempty(filled)
+    if not bool(nonempty.all()):
+        for k in (~nonempty).nonzero().flatten().tolist():
+            states[rows[k]]._dead_end(bitmask, rows[k])
+    if logits.device != bitmask.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    backend._xgr.apply_token_bitmask_inplace(
+        logits, bitmask, vocab_size=vocab, indices=indices, backend=_kernel(logits)
+    )
+    if logits.shape[1] > vocab:
+        tail = logits[:, vocab:]
+        if indices is None:
+            tail.fill_(float("-inf"))
+        else:
+            index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            tail.index_fill_(0, index, float("-inf"))
+
+
+def _kernel(logits: torch.Tensor) -> str:
+    """Which xgrammar kernel applies the bitmask to these logits."""
+    if logits.device.type == "cpu":
+        return "cpu" if logits.dtype in _CPU_KERNEL_DTYPES else "torch_native"
+    if logits.device.type == "cuda" and logits.stride(-1) == 1 and _has_triton():
+        return "triton"
+    return "torch_native"
+
+
+_TRITON: bool | None = None
+
+
+def _has_triton() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _TRITON = False
+        else:
+            _TRITON = True
+    return _TRITON
+
+
+# ---------------------------------------------------------------------- cache keys
+
+
+def _cache_key(params: StructuredOutputsParams) -> tuple:
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)  # valid JSON: the params checked it
+        # Not sort_keys: the order of "properties" is the order the model writes them in
+        # (and it matters: a "reasoning" field before "answer"), so two schemas that
+        # differ in key order are two grammars. Whitespace and dict-vs-string do not matter.
+        try:
+            canonical = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"structured_outputs.json is not a JSON-serializable schema: {err}"
+            ) from None
+        return ("json", canonical)
+    if kind == "json_object":
+        return ("json_object",)
+    if kind == "choice":
+        return ("choice", tuple(params.choice))
+    return (kind, getattr(params, kind))  # regex, grammar
+
+
+def _choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar matching exactly one of ``choices``."""
+    literals = []
+    for i, choice in enumerate(dict.fromkeys(choices)):
+        try:
+            literals.append(_ebnf_literal(choice))
+        except ValueError as err:
+            raise ValueError(f"structured_outputs.choice[{i}] {err}") from None
+    return "root ::= " + " | ".join(literals)
+
+
+_EBNF_SIMPLE_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as an xgrammar EBNF string literal.
+
+    Printable ASCII stays as is; everything else is written ``\\uXXXX`` / ``\\UXXXXXXXX``
+    (fixed width: xgrammar reads ``\\x`` escapes greedily, so ``"\\x41b"`` would be U+041B).
+    """
+    out = ['"']
+    for ch in text:
+        code = ord(ch)
+        if ch in _EBNF_SIMPLE_ESCAPES:
+            out.append(_EBNF_SIMPLE_ESCAPES[ch])
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif code == 0:
+            # xgrammar's EBNF parser reads \0, \x00 and \u0000 as "nothing".
+            raise ValueError("contains a NUL character, which the grammar engine cannot match")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"contains a lone surrogate U+{code:04X}, which is not text")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)
