@@ -360,7 +360,9 @@ def _as_conversations(messages: Any) -> list[list[dict]]:
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
     for i, conversation in enumerate(conversations):
         if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence):
-            raise ValueError(f"messages[{i}] must be a list of message dicts, got {conversation!r}")
+            raise ValueError(  # noqa: TRY004 - one error kind for every malformed conversation
+                f"messages[{i}] must be a list of message dicts, got {conversation!r}"
+            )
         for j, message in enumerate(conversation):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(

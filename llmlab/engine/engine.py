@@ -24,12 +24,12 @@ import attrs
 
 from llmlab.cache.kv_cache_manager import BlockEvents
 from llmlab.config import EngineConfig
+from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
 from llmlab.engine.events import StepEvent, StepObserver
 from llmlab.engine.executor import Clock, Executor, real_clock
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.errors import RequestFailedError, component_name
-from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
 from llmlab.request import Request, RequestStatus, SampleGroup
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
@@ -371,9 +371,8 @@ class Engine:
                     progressed.extend((f, 0) for f in entry.forks)
             finished = self.scheduler.update(batch, output)
         for request, before in progressed:
-            if request.num_output_tokens > before:
-                if self._advance_text(request, before):
-                    finished.append(request)
+            if request.num_output_tokens > before and self._advance_text(request, before):
+                finished.append(request)
         errors = self.scheduler.take_errors()
         failed = [
             self._requests[e.request_id]
@@ -389,7 +388,7 @@ class Engine:
                 touched.setdefault(_caller_id(request), request)
         for request in failed:
             touched.setdefault(_caller_id(request), request)
-        for key, request in touched.items():
+        for request in touched.values():
             out = self._output(request)
             if out is not None:
                 self._undelivered.append(out)

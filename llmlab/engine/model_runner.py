@@ -113,10 +113,10 @@ class ModelRunner:
                 if scores is not None:
                     prompt_starts[i], prompt_scores[i] = scores
         any_prompt = any(p is not None for p in prompt_scores)
-        prompt_fields = dict(
-            prompt_logprobs=tuple(prompt_scores) if any_prompt else None,
-            prompt_logprobs_start=tuple(prompt_starts) if any_prompt else None,
-        )
+        prompt_fields = {
+            "prompt_logprobs": tuple(prompt_scores) if any_prompt else None,
+            "prompt_logprobs_start": tuple(prompt_starts) if any_prompt else None,
+        }
         if not scored_rows:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty

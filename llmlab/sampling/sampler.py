@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 def _default_top(self: SamplerOutput) -> list[TokenLogprobs | None]:
     return [None] * len(self.token_ids)
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -128,6 +131,7 @@ class Sampler:
         batch = SamplingBatch(requests, work.shape[-1], work.device, tokenizer=self.tokenizer)
         for processor in self.processors:
             work = processor(work, batch)
+        _revive_dead_rows(work, batch)
 
         tokens = self._draw(work, batch, generator)
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
@@ -170,3 +174,34 @@ class Sampler:
         for j in seeded:
             noise[j].exponential_(generator=_own_generator(requests[rows[j]], device))
         return (probs / noise).argmax(dim=-1)
+
+
+def _restricts(request) -> bool:
+    p = request.sampling_params
+    return bool(
+        request.grammar is not None or p.allowed_token_ids or p.bad_words or p.min_tokens
+        or p.logits_processors
+    )
+
+
+def _revive_dead_rows(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """A row whose constraints forbid every token (a finished grammar that allows only EOS
+    while ``min_tokens`` bans it, bad words covering every allowed id) would draw from NaNs.
+    Such a row gets its EOS ids back, so the request ends instead of emitting garbage."""
+    rows = [i for i, r in enumerate(batch.requests) if _restricts(r)]
+    if not rows:
+        return
+    index = batch.index(rows)
+    dead = torch.isneginf(logits.index_select(0, index)).all(dim=-1).nonzero()[:, 0].tolist()
+    vocab = logits.shape[-1]
+    for j in dead:
+        request = batch.requests[rows[j]]
+        eos = [t for t in request.eos_token_ids if t < vocab]
+        logger.warning(
+            "request %r: its constraints forbid every token; allowing EOS %s so it can end",
+            request.request_id, eos,
+        )
+        if eos:
+            logits[rows[j], eos] = 0.0
+        else:
+            logits[rows[j]] = 0.0

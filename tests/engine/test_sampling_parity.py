@@ -408,3 +408,103 @@ def test_beam_search_shares_prefix_blocks(llm):
     computed = sum(n for e in events for _, n in e.scheduled)
     # 4 steps x up to 3 beams of >= 20 tokens: without sharing, >= 200 tokens computed.
     assert hits >= 3 * 3 * 5 and computed < 120
+
+
+# -- structured outputs -----------------------------------------------------------------------
+
+
+def test_structured_outputs_validate_on_a_random_model_batched_with_free_requests(llm):
+    import json
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    from llmlab import GuidedDecodingParams, StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "ok": {"type": "boolean"},
+            "size": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "ok", "size"],
+    }
+    regex = r"[a-z]{2,6}@(foo|bar)\.(com|org)"
+    choices = ["yes", "no", "maybe later"]
+    kinds = [
+        ("json", StructuredOutputsParams(json=schema)),
+        ("regex", StructuredOutputsParams(regex=regex)),
+        ("choice", GuidedDecodingParams(choice=choices)),  # vLLM's older spelling
+    ]
+    prompts, params = [], []
+    for i in range(20):
+        for name, constraint in kinds:
+            prompts.append(f"{name} {i}:")
+            kw = {"structured_outputs": constraint} if name != "choice" else {"guided_decoding": constraint}
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=120, **kw))
+        prompts.append(f"free {i}")
+        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=8))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, out in zip(params, outs):
+        c = out.outputs[0]
+        constraint = p.structured_outputs
+        if constraint is None:
+            continue
+        assert c.finish_reason == "stop", (c.text, c.finish_reason)
+        if constraint.json is not None:
+            jsonschema.validate(json.loads(c.text), schema)
+        elif constraint.regex is not None:
+            assert re.fullmatch(regex, c.text), c.text
+        else:
+            assert c.text in choices
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_structured_output_state_survives_preemption(tiny_llama):
+    pytest.importorskip("xgrammar")
+    import re
+
+    from llmlab import StructuredOutputsParams
+
+    llm = LLM(tiny_llama, dtype="float32", block_size=4, kv_cache_memory_bytes=12 * 2048,
+              max_model_len=48, seed=0)
+    preempted = []
+    llm.llm_engine.subscribe(lambda e: preempted.extend(e.preempted))
+    regex = r"(ab|cd){5,12}"
+    params = SamplingParams(seed=1, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    outs = llm.generate([f"p{i}" for i in range(6)], params, use_tqdm=False)
+    assert preempted
+    for out in outs:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "constraint, match",
+    [
+        (dict(regex="(unclosed"), "structured_outputs.regex"),
+        (dict(json={"type": "no-such-type"}), "structured_outputs.json"),
+        (dict(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
+    ],
+)
+def test_invalid_constraints_are_refused_at_the_edge(llm, constraint, match):
+    pytest.importorskip("xgrammar")
+    from llmlab import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)),
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_conflicting_constraints_end_the_request_instead_of_drawing_nan(llm):
+    tok = llm.get_tokenizer()
+    a = tok.encode("a", add_special_tokens=False)
+    # min_tokens bans EOS, and the only allowed token is EOS: nothing is left to draw.
+    params = SamplingParams(min_tokens=3, max_tokens=5, allowed_token_ids=[tok.eos_token_id])
+    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [tok.eos_token_id] * 3 and out.finish_reason == "stop"
+    free = llm.generate("x", SamplingParams(max_tokens=2, allowed_token_ids=a), use_tqdm=False)
+    assert free[0].outputs[0].token_ids == a * 2
