@@ -82,6 +82,41 @@ BAD = [
     ("ignore_eos", None, TypeError, "None"),
     ("skip_special_tokens", 0, TypeError, "0"),
     ("skip_special_tokens", "yes", TypeError, "'yes'"),
+    # n, best_of: ints >= 1
+    ("n", 0, ValueError, "0"),
+    ("n", 2.0, TypeError, "2.0"),
+    ("best_of", 0, ValueError, "0"),
+    # penalties: presence / frequency in [-2, 2], repetition in (0, 2]
+    ("presence_penalty", 2.5, ValueError, "2.5"),
+    ("frequency_penalty", -3, ValueError, "-3"),
+    ("frequency_penalty", math.nan, ValueError, "nan"),
+    ("repetition_penalty", 0, ValueError, "0.0"),
+    ("repetition_penalty", 2.5, ValueError, "2.5"),
+    ("repetition_penalty", "1.1", TypeError, "'1.1'"),
+    # stop strings and bad words: non-empty strings
+    ("stop", "", ValueError, "empty"),
+    ("stop", ["ok", ""], ValueError, "stop[1]"),
+    ("stop", ["ok", 3], TypeError, "3"),
+    ("stop", 3, TypeError, "3"),
+    ("bad_words", [""], ValueError, "empty"),
+    # logprobs
+    ("logprobs", -1, ValueError, "-1"),
+    ("logprobs", 2.0, TypeError, "2.0"),
+    ("prompt_logprobs", -2, ValueError, "-2"),
+    # token-id fields
+    ("allowed_token_ids", [], ValueError, "empty"),
+    ("allowed_token_ids", [-1], ValueError, "-1"),
+    ("logit_bias", [1, 2], TypeError, "[1, 2]"),
+    ("logit_bias", {1: 200}, ValueError, "200"),
+    ("truncate_prompt_tokens", 0, ValueError, "0"),
+    ("truncate_prompt_tokens", -2, ValueError, "-2"),
+    ("logits_processors", lambda ids, logits: logits, TypeError, "list of callables"),
+    ("logits_processors", [1], TypeError, "1"),
+    ("logits_processors", [lambda logits: logits], ValueError, "1 positional"),
+    ("detokenize", 1, TypeError, "1"),
+    ("include_stop_str_in_output", "no", TypeError, "'no'"),
+    ("spaces_between_special_tokens", None, TypeError, "None"),
+    ("structured_outputs", "json", TypeError, "'json'"),
     # output_kind
     ("output_kind", 0, TypeError, "0"),
     ("output_kind", "CUMULATIVE", TypeError, "'CUMULATIVE'"),
@@ -221,3 +256,61 @@ def test_params_are_hashable_and_compare_by_value():
     a = SamplingParams(stop_token_ids=[1, 2], seed=np.int64(4))
     b = SamplingParams(stop_token_ids=(1, 2), seed=4)
     assert a == b and hash(a) == hash(b)
+
+
+def test_best_of_below_n_names_both():
+    with pytest.raises(ValueError, match=r"best_of must be >= n \(3\), got 2"):
+        SamplingParams(n=3, best_of=2)
+    assert SamplingParams(n=2, best_of=4).num_samples == 4
+    assert SamplingParams(n=3).num_samples == 3
+
+
+def test_structured_outputs_takes_exactly_one_kind_and_the_old_spelling():
+    from llmlab.sampling.params import GuidedDecodingParams, StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match="structured_outputs.choice must list at least one"):
+        StructuredOutputsParams(choice=[])
+    old = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+    assert old.structured_outputs.kind == "choice" and old.guided_decoding is old.structured_outputs
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+    as_dict = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert as_dict.structured_outputs.regex == "[0-9]+"
+
+
+def test_new_fields_have_vllms_defaults_and_conversions():
+    p = SamplingParams(stop="###", logit_bias={"7": 1.5}, allowed_token_ids=[3, 3, 4])
+    assert p.stop == ("###",) and p.logit_bias == {7: 1.5} and p.allowed_token_ids == (3, 4)
+    d = SamplingParams()
+    assert (d.n, d.best_of, d.presence_penalty, d.frequency_penalty, d.repetition_penalty) == (
+        1, None, 0.0, 0.0, 1.0
+    )
+    assert (d.logprobs, d.prompt_logprobs, d.detokenize, d.spaces_between_special_tokens) == (
+        None, None, True, True
+    )
+    assert d.stop == () and d.bad_words == () and d.truncate_prompt_tokens is None
+
+
+def test_clone_copies_stateful_processors_and_from_optional_skips_nones():
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, ids, logits):
+            self.calls += 1
+            return logits
+
+    p = SamplingParams(logits_processors=[Counter()])
+    q = p.clone()
+    assert q.logits_processors[0] is not p.logits_processors[0]
+    q.logits_processors[0]([], None)
+    assert p.logits_processors[0].calls == 0
+    r = SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None, n=None)
+    assert (r.temperature, r.top_p, r.max_tokens, r.n) == (1.0, 0.5, None, 1)
