@@ -508,3 +508,40 @@ def test_conflicting_constraints_end_the_request_instead_of_drawing_nan(llm):
     assert out.token_ids == [tok.eos_token_id] * 3 and out.finish_reason == "stop"
     free = llm.generate("x", SamplingParams(max_tokens=2, allowed_token_ids=a), use_tqdm=False)
     assert free[0].outputs[0].token_ids == a * 2
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "spf", "sjf", "fair", "cache_aware", "mlfq"])
+def test_every_scheduling_policy_runs_parallel_samples_under_preemption(tiny_llama, policy):
+    from tests.helpers import builtin_names
+
+    assert policy in builtin_names("scheduling_policy")
+    llm = LLM(tiny_llama, dtype="float32", block_size=4, kv_cache_memory_bytes=16 * 2048,
+              max_model_len=48, seed=0, scheduling_policy=policy)
+    params = SamplingParams(n=2, best_of=3, max_tokens=16, ignore_eos=True, seed=5)
+    outs = llm.generate(token_prompts(5, 10, seed=13), params, use_tqdm=False,
+                        user=["a", "b", "a", "b", "c"], priority=[1, 0, 2, 0, 1])
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 16 for c in o.outputs)
+               for o in outs)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_delta_with_n_streams_each_sample_by_index(llm):
+    engine = llm.llm_engine
+    prompt = token_prompts(1, 6, seed=14)[0]
+    params = SamplingParams(n=3, max_tokens=7, seed=9, ignore_eos=True, logprobs=1)
+    final = llm.generate([prompt], params, use_tqdm=False)[0]
+    engine.add_request("s", prompt, params.evolve(output_kind=RequestOutputKind.DELTA))
+    texts, tokens, logprobs = {}, {}, {}
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "s"
+            last = out
+            for c in out.outputs:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                tokens.setdefault(c.index, []).extend(c.token_ids)
+                logprobs.setdefault(c.index, []).extend(c.logprobs)
+    assert last.finished
+    for c in final.outputs:
+        assert tokens[c.index] == c.token_ids and texts[c.index] == c.text
+        assert [d.keys() for d in logprobs[c.index]] == [d.keys() for d in c.logprobs]

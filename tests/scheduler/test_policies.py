@@ -418,6 +418,22 @@ def test_the_worked_examples_in_docs_components_run():
     assert mru.evict(2) == [4, 2]
 
 
+def test_the_logits_processor_example_in_docs_components_runs():
+    import torch
+
+    from tests.helpers import make_request as req
+
+    namespace = {}
+    exec(_doc_block("import torch\nfrom llmlab.sampling import Sampler"), namespace)
+    sampler = namespace["sampler"]
+    fresh, going = req(range(4), temperature=0), req(range(4), temperature=0)
+    going.append_output(5, 0.0)
+    logits = torch.zeros(2, 20)
+    logits[:, 11] = 5.0  # a digit is the favourite
+    out = sampler(logits, [fresh, going])
+    assert out.token_ids[0] == 11 and out.token_ids[1] not in (10, 11, 12)
+
+
 def test_the_worked_examples_in_the_protocol_docstrings_run():
     import textwrap
 
