@@ -42,6 +42,15 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--best-of", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None,
+                        help="a stop string (repeat the flag for several)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="print the top-k logprobs of each generated token")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -67,6 +76,13 @@ def _generate(args: argparse.Namespace) -> int:
             min_p=args.min_p,
             seed=args.sampling_seed,
             ignore_eos=args.ignore_eos,
+            n=args.n,
+            best_of=args.best_of,
+            stop=args.stop,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logprobs=args.logprobs,
         )
         llm = LLM(
             model,
@@ -91,9 +107,19 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     for out in outputs:
-        completion = out.outputs[0]
         print(f"Prompt: {out.prompt!r}")
-        print(f"Completion: {completion.text!r}  (finish_reason={completion.finish_reason})")
+        for completion in out.outputs:
+            label = "Completion" if len(out.outputs) == 1 else f"Completion {completion.index}"
+            reason = f"finish_reason={completion.finish_reason}"
+            if completion.stop_reason is not None:
+                reason += f", stop_reason={completion.stop_reason!r}"
+            print(f"{label}: {completion.text!r}  ({reason})")
+            for position in completion.logprobs or ():
+                shown = ", ".join(
+                    f"{lp.decoded_token!r}: {lp.logprob:.3f} (rank {lp.rank})"
+                    for lp in position.values()
+                )
+                print(f"    {shown}")
     return 0
 
 

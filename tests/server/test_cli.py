@@ -81,3 +81,15 @@ def test_a_policy_can_be_named_by_import_path(tiny_llama, capsys):
     assert rc == 0 and "Completion:" in capsys.readouterr().out
     rc = main(["generate", "Hi", "--model", tiny_llama, "--scheduling-policy", "no.such:Thing"])
     assert rc == 2 and "cannot import 'no.such'" in capsys.readouterr().err
+
+
+def test_generate_with_n_stop_and_logprobs(tiny_llama, capsys):
+    code = main(["generate", "Hi", "--model", tiny_llama, "--max-tokens", "6", "--n", "2",
+                 "--temperature", "0.9", "--sampling-seed", "1", "--logprobs", "2",
+                 "--stop", "zz", "--presence-penalty", "0.5"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Completion 0:" in out and "Completion 1:" in out
+    assert "(rank 1)" in out  # the top-2 lines
+    assert main(["generate", "Hi", "--model", tiny_llama, "--n", "2", "--best-of", "1"]) == 2
+    assert "best_of must be >= n (2), got 1" in capsys.readouterr().err
