@@ -286,6 +286,9 @@ class Engine:
                     self._aborted_since_step.append(request.request_id)
                     for member in self._drop_forks(request):
                         self._aborted_since_step.append(member.request_id)
+                    group = request.group
+                    if group is not None and group.is_finished:  # a sample aborted by its id
+                        self._groups.pop(group.request_id, None)
                 errors = self.scheduler.take_errors()
             _raise_first(errors)
 

@@ -545,3 +545,13 @@ def test_delta_with_n_streams_each_sample_by_index(llm):
     for c in final.outputs:
         assert tokens[c.index] == c.token_ids and texts[c.index] == c.text
         assert [d.keys() for d in logprobs[c.index]] == [d.keys() for d in c.logprobs]
+
+
+def test_aborting_every_sample_by_its_own_id_ends_the_group(llm):
+    engine = llm.llm_engine
+    engine.add_request("grp", token_prompts(1, 6)[0], SamplingParams(n=2, max_tokens=50))
+    engine.step()
+    engine.step()
+    engine.abort_request(["0_grp", "1_grp"])
+    assert not engine.has_request("grp") and not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
