@@ -206,14 +206,25 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor, k_max: int | None = None)
     return logits.masked_fill_(logits < kth, NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(
+    logits: torch.Tensor, top_p: torch.Tensor, max_finite: int | None = None
+) -> torch.Tensor:
     """Keep each row's smallest most-likely set whose probability reaches ``top_p`` (``[n]``):
-    a token stays while the mass of the tokens before it is below ``top_p``."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    a token stays while the mass of the tokens before it is below ``top_p``.
+
+    ``max_finite``: a bound on each row's finite logits (after top-k), so only that many
+    are sorted instead of the whole vocabulary; the result is the same.
+    """
+    if max_finite is not None and max_finite < logits.shape[-1]:
+        sorted_logits, order = logits.topk(max_finite, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = mass_before >= top_p[:, None]
     drop_sorted[:, 0] = False  # the most likely token always stays
+    if sorted_logits.shape[-1] < logits.shape[-1]:  # the rest is -inf already
+        return logits.scatter_(1, order, sorted_logits.masked_fill(drop_sorted, NEG_INF))
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
     return logits.masked_fill_(drop, NEG_INF)
 
@@ -464,7 +475,10 @@ class StructuredOutputMask:
 
 @attrs.define
 class Penalties:
-    """Step 7: repetition, frequency and presence penalties (see :func:`apply_penalties`)."""
+    """Step 7: repetition, frequency and presence penalties (the formulas of
+    :func:`apply_penalties`), applied sparsely: only the (row, token) pairs that occur in
+    the rows' histories are read and written, so the cost follows the histories' length,
+    not rows x vocabulary."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = batch.rows_where(
@@ -475,21 +489,40 @@ class Penalties:
         if not rows:
             return logits
         params = [batch.params[i] for i in rows]
-        repetition = frequency = presence = prompt_counts = None
+        vocab = logits.shape[-1]
+        device = logits.device
+        out_keys = _history_keys(batch, rows, "output_token_ids", vocab)
         if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = batch.values(lambda p: p.repetition_penalty, rows)
-            prompt_counts = batch.prompt_counts(rows)
-        if any(p.frequency_penalty != 0.0 for p in params):
-            frequency = batch.values(lambda p: p.frequency_penalty, rows)
-        if any(p.presence_penalty != 0.0 for p in params):
-            presence = batch.values(lambda p: p.presence_penalty, rows)
-        output_counts = batch.output_counts(rows)
-        return _on_rows(
-            logits, rows, batch,
-            lambda sub: apply_penalties(
-                sub, output_counts, prompt_counts, repetition, frequency, presence
-            ),
-        )
+            rep_rows = [i for i in rows if batch.params[i].repetition_penalty != 1.0]
+            keys = torch.cat([
+                _history_keys(batch, rep_rows, "prompt_token_ids", vocab),
+                _history_keys(batch, rep_rows, "output_token_ids", vocab),
+            ]).unique()
+            r, t = keys // vocab, keys % vocab
+            factor = batch.values(lambda p: p.repetition_penalty).to(device)[r]
+            vals = logits[r, t]
+            logits[r, t] = torch.where(vals > 0, vals / factor, vals * factor)
+        if out_keys.numel():
+            keys, counts = out_keys.unique(return_counts=True)
+            r, t = keys // vocab, keys % vocab
+            shift = torch.zeros_like(keys, dtype=logits.dtype)
+            if any(p.frequency_penalty != 0.0 for p in params):
+                shift += batch.values(lambda p: p.frequency_penalty)[r] * counts
+            if any(p.presence_penalty != 0.0 for p in params):
+                shift += batch.values(lambda p: p.presence_penalty)[r]
+            logits[r, t] -= shift
+        return logits
+
+
+def _history_keys(batch: SamplingBatch, rows: Sequence[int], field: str, vocab: int):
+    """``row * vocab + token`` for every token of ``field`` in ``rows`` (ids past the
+    logits dropped), one flat tensor built from the lists in one pass."""
+    lists = [getattr(batch.requests[i], field) for i in rows]
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    keep = ids < vocab
+    return (row_of[keep] * vocab + ids[keep]).to(batch.device)
 
 
 @attrs.define
@@ -526,8 +559,19 @@ class TopP:
         rows = batch.random_rows_where(lambda p: p.top_p < 1.0)
         if not rows:
             return logits
-        top_p = batch.values(lambda p: p.top_p, rows)
-        return _on_rows(logits, rows, batch, lambda sub: apply_top_p(sub, top_p))
+        vocab = logits.shape[-1]
+        # Rows cut by top-k hold at most k finite logits: sort those only (the full sort
+        # of a 150k vocabulary is most of this step's cost otherwise).
+        cut = [i for i in rows if 0 < batch.params[i].top_k < vocab]
+        full = [i for i in rows if not 0 < batch.params[i].top_k < vocab]
+        if cut:
+            top_p = batch.values(lambda p: p.top_p, cut)
+            k = max(batch.params[i].top_k for i in cut)
+            logits = _on_rows(logits, cut, batch, lambda sub: apply_top_p(sub, top_p, k))
+        if full:
+            top_p = batch.values(lambda p: p.top_p, full)
+            logits = _on_rows(logits, full, batch, lambda sub: apply_top_p(sub, top_p))
+        return logits
 
 
 @attrs.define

@@ -125,7 +125,11 @@ class Sampler:
             )
         if not requests:
             return SamplerOutput([], [], [])
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        raw = logits.float()
+        wants_top = any(r.sampling_params.logprobs is not None for r in requests)
+        # The full log-softmax only when someone reads the top-k; otherwise the chosen
+        # token's logprob is its logit minus the row's logsumexp.
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
         # The processors' own copy (contiguous even if ``logits`` is an expanded view).
         work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         batch = SamplingBatch(requests, work.shape[-1], work.device, tokenizer=self.tokenizer)
@@ -134,8 +138,12 @@ class Sampler:
         _revive_dead_rows(work, batch)
 
         tokens = self._draw(work, batch, generator)
-        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-        top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
+        if raw_logprobs is None:
+            chosen = raw.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
+            top = [None] * len(requests)
+        else:
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
 
     def _draw(
@@ -158,7 +166,42 @@ class Sampler:
         rows: list[int],
         generator: torch.Generator | None,
     ) -> torch.Tensor:
-        """Exponential race over ``logits`` (the processed logits of ``rows``)."""
+        """Exponential race over ``logits`` (the processed logits of ``rows``).
+
+        Rows cut by top-k race among their ``k`` survivors only (noise for ``k`` entries, not
+        the vocabulary: most of the draw's cost). Which path a row takes depends on its own
+        parameters only, so a seeded row's tokens still do not depend on its neighbours.
+        """
+        vocab = logits.shape[-1]
+        cut = [j for j, i in enumerate(rows) if 0 < batch.params[i].top_k < vocab]
+        if not cut:
+            return self._race(logits, batch, rows, generator)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        k = max(batch.params[rows[j]].top_k for j in cut)
+        index = batch.index(cut)
+        values, ids = logits.index_select(0, index).topk(k, dim=-1)
+        cut_rows = [rows[j] for j in cut]
+        picked = self._race(values, batch, cut_rows, generator, widths=True)
+        tokens[index] = ids.gather(1, picked[:, None])[:, 0]
+        in_cut = set(cut)
+        rest = [j for j in range(len(rows)) if j not in in_cut]
+        if rest:
+            ridx = batch.index(rest)
+            tokens[ridx] = self._race(
+                logits.index_select(0, ridx), batch, [rows[j] for j in rest], generator
+            )
+        return tokens
+
+    def _race(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        rows: list[int],
+        generator: torch.Generator | None,
+        widths: bool = False,
+    ) -> torch.Tensor:
+        """``argmax(p / E)`` per row; with ``widths``, a seeded row draws noise for its own
+        ``top_k`` leading columns only (the rest are -inf for it)."""
         probs = torch.softmax(logits, dim=-1)
         device = probs.device
         requests = batch.requests
@@ -172,7 +215,13 @@ class Sampler:
                 shared = torch.empty(len(unseeded), probs.shape[1], device=device)
                 noise[unseeded] = shared.exponential_(generator=generator)
         for j in seeded:
-            noise[j].exponential_(generator=_own_generator(requests[rows[j]], device))
+            own = _own_generator(requests[rows[j]], device)
+            if widths:
+                width = batch.params[rows[j]].top_k
+                noise[j, :width].exponential_(generator=own)
+                noise[j, width:] = 1.0
+            else:
+                noise[j].exponential_(generator=own)
         return (probs / noise).argmax(dim=-1)
 
 

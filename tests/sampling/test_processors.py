@@ -352,3 +352,32 @@ def test_a_researchers_processor_can_be_inserted():
     reqs = [request(temperature=0.0), request(temperature=0.0, logit_bias={5: 50.0})]
     assert sampler(crafted(2), reqs).token_ids == [2, 2]
     assert Sampler()(crafted(2), reqs).token_ids == [5, 5]
+
+
+def test_sparse_penalties_equal_the_dense_formula_on_random_histories():
+    from llmlab.sampling.processors import Penalties, apply_penalties, count_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+    requests = []
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        r = make_request(prompt, repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+                         frequency_penalty=[0.0, 0.4, -0.5][(i + 1) % 3],
+                         presence_penalty=[0.0, 0.9, 1.5][(i + 2) % 3])
+        for t in torch.randint(0, vocab, (i * 3,), generator=gen).tolist():
+            r.append_output(t, 0.0)
+        requests.append(r)
+    logits = torch.randn(6, vocab, generator=gen)
+    got = Penalties()(logits.clone(), SamplingBatch(requests, vocab, torch.device("cpu")))
+    ps = [r.sampling_params for r in requests]
+    want = apply_penalties(
+        logits.clone(),
+        count_tokens([r.output_token_ids for r in requests], vocab),
+        count_tokens([r.prompt_token_ids for r in requests], vocab),
+        torch.tensor([p.repetition_penalty for p in ps]),
+        torch.tensor([p.frequency_penalty for p in ps]),
+        torch.tensor([p.presence_penalty for p in ps]),
+    )
+    torch.testing.assert_close(got, want)

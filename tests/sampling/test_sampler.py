@@ -314,3 +314,25 @@ def test_sampling_params_validation_names_the_field():
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+def test_seeded_top_k_rows_do_not_depend_on_neighbours_with_other_k():
+    """Rows cut by top-k race among their own k survivors; the width of the batch's
+    compact tensor (the largest k) must not change a seeded row's draw."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 300)
+
+    seq_alone, seq_wide, seq_full = [], [], []
+    a = make_request([1], temperature=1.0, top_k=5, seed=42)
+    b = make_request([1], temperature=1.0, top_k=5, seed=42)
+    c = make_request([1], temperature=1.0, top_k=5, seed=42)
+    for _ in range(30):
+        seq_alone.append(Sampler()(logits.clone(), [a]).token_ids[0])
+        two = torch.cat([logits, logits])
+        seq_wide.append(Sampler()(two, [b, make_request([1], temperature=1.0, top_k=200)])
+                        .token_ids[0])
+        seq_full.append(Sampler()(two.clone(), [c, make_request([1], temperature=0.5)])
+                        .token_ids[0])
+    assert seq_alone == seq_wide == seq_full
+    assert len(set(seq_alone)) > 1  # it does sample
+    assert set(seq_alone) <= set(logits[0].topk(5).indices.tolist())
