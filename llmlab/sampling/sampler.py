@@ -43,6 +43,9 @@ def _default_top(self: SamplerOutput) -> list[TokenLogprobs | None]:
 
 logger = logging.getLogger(__name__)
 
+# Processor types known to change nothing for a plain greedy row (see Sampler._skippable).
+_BUILTIN_PROCESSORS = frozenset(type(p) for p in default_processors())
+
 
 @attrs.frozen
 class SamplerOutput:
@@ -130,12 +133,15 @@ class Sampler:
         # The full log-softmax only when someone reads the top-k; otherwise the chosen
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
-        # The processors' own copy (contiguous even if ``logits`` is an expanded view).
-        work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        batch = SamplingBatch(requests, work.shape[-1], work.device, tokenizer=self.tokenizer)
-        for processor in self.processors:
-            work = processor(work, batch)
-        _revive_dead_rows(work, batch)
+        batch = SamplingBatch(requests, raw.shape[-1], raw.device, tokenizer=self.tokenizer)
+        if self._skippable(requests):
+            work = raw  # plain greedy rows and built-in processors only: nothing to change
+        else:
+            # The processors' own copy (contiguous even if ``logits`` is an expanded view).
+            work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            for processor in self.processors:
+                work = processor(work, batch)
+            _revive_dead_rows(work, batch)
 
         tokens = self._draw(work, batch, generator)
         if raw_logprobs is None:
@@ -145,6 +151,22 @@ class Sampler:
             chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
+
+    def _skippable(self, requests: Sequence[Request]) -> bool:
+        """Whether every processor would leave these rows alone: only built-in processors,
+        and every row greedy with nothing else that changes its logits."""
+        if not all(type(p) in _BUILTIN_PROCESSORS for p in self.processors):
+            return False
+        for r in requests:
+            p = r.sampling_params
+            if (
+                p.temperature != 0.0 or r.grammar is not None or p.logits_processors
+                or p.allowed_token_ids is not None or p.bad_words or p.logit_bias
+                or p.min_tokens > len(r.output_token_ids) or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            ):
+                return False
+        return True
 
     def _draw(
         self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None

@@ -336,3 +336,26 @@ def test_seeded_top_k_rows_do_not_depend_on_neighbours_with_other_k():
     assert seq_alone == seq_wide == seq_full
     assert len(set(seq_alone)) > 1  # it does sample
     assert set(seq_alone) <= set(logits[0].topk(5).indices.tolist())
+
+
+def test_plain_greedy_batches_skip_the_pipeline_but_custom_processors_still_run():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    plain = [make_request([1], temperature=0.0) for _ in range(3)]
+    out = Sampler()(logits.clone(), plain)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), torch.log_softmax(logits, -1).max(-1).values
+    )
+
+    calls = []
+
+    def ban_argmax(logits, batch):
+        calls.append(len(batch.requests))
+        return logits.scatter_(1, logits.argmax(-1, keepdim=True), float("-inf"))
+
+    custom = Sampler(processors=[ban_argmax, *default_processors()])
+    out = custom(logits.clone(), plain)
+    assert calls == [3] and out.token_ids != logits.argmax(-1).tolist()
+    # A greedy row with a bias is not plain: the pipeline runs.
+    biased = [make_request([1], temperature=0.0, logit_bias={7: 100.0})] + plain[1:]
+    assert Sampler()(logits.clone(), biased).token_ids[0] == 7
