@@ -201,10 +201,11 @@ class Engine:
         limit = self.max_logprobs
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
-            if k is not None and limit != -1 and k > limit:
+            wanted = self.vocab_size if k == -1 else k
+            if k is not None and limit != -1 and wanted > limit:
                 raise ValueError(
                     f"{field}={k} is more than max_logprobs={limit} (an engine setting: "
-                    f"LLM(max_logprobs=...)); allowed: 0 to {limit}"
+                    f"LLM(max_logprobs=...), -1 for no limit); allowed: 0 to {limit}"
                 )
         if params.num_samples > self.scheduler.max_num_seqs:
             raise ValueError(

@@ -56,10 +56,13 @@ def gather_logprobs(
     logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Sequence[int | None]
 ) -> list[TokenLogprobs | None]:
     """Per row of ``logprobs`` ``[N, V]``: the chosen token's logprob and rank, plus the
-    ``num_top[i]`` most likely tokens (None for a row that asked for none).
+    ``num_top[i]`` most likely tokens (None for a row that asked for none, -1 for all).
 
     One top-k over the batch (the largest ``k`` asked), one rank count, one transfer.
     """
+    vocab = logprobs.shape[1]
+    # -1 asks for the whole vocabulary (vLLM's meaning).
+    num_top = [vocab if k is not None and k < 0 else k for k in num_top]
     rows = [i for i, k in enumerate(num_top) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     if not rows:

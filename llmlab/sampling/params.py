@@ -110,7 +110,10 @@ def _logit_bias(value: object) -> dict[int, float] | None:
 
 
 def _logprobs(field: str, value: object) -> int | None:
-    return as_int(field, value, min=0, allow_none=True, allowed="None or an int >= 0")
+    return as_int(
+        field, value, min=-1, allow_none=True,
+        allowed="None, an int >= 0, or -1 (the whole vocabulary)",
+    )
 
 
 def _truncate_prompt_tokens(value: object) -> int | None:
@@ -321,7 +324,8 @@ class SamplingParams:
         min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored until this many
             tokens exist; at most ``max_tokens``.
         logprobs: also return the log-probabilities of this many most likely tokens at each
-            output position (plus the sampled one); at most the engine's ``max_logprobs``.
+            output position (plus the sampled one); at most the engine's ``max_logprobs``;
+            -1 means the whole vocabulary (allowed when ``max_logprobs=-1``).
         prompt_logprobs: the same for every prompt position (the first is None). Such a
             request computes its whole prompt (no prefix-cache hits).
         detokenize: produce text (False: token ids only, and no stop strings).

@@ -555,3 +555,16 @@ def test_aborting_every_sample_by_its_own_id_ends_the_group(llm):
     engine.abort_request(["0_grp", "1_grp"])
     assert not engine.has_request("grp") and not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary_when_unlimited(tiny_llama, llm):
+    with pytest.raises(ValueError, match=r"logprobs=-1 is more than max_logprobs=20"):
+        llm.generate("hi", SamplingParams(logprobs=-1), use_tqdm=False)
+    unlimited = LLM(tiny_llama, dtype="float32", max_logprobs=-1, max_model_len=64)
+    out = unlimited.generate("hi", SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                             use_tqdm=False)[0]
+    vocab = unlimited.llm_engine.vocab_size
+    assert all(len(d) == vocab for d in out.outputs[0].logprobs)
+    assert all(len(d) == vocab for d in out.prompt_logprobs[1:])
+    ranks = sorted(lp.rank for lp in out.outputs[0].logprobs[0].values())
+    assert ranks == list(range(1, vocab + 1))

@@ -100,7 +100,7 @@ BAD = [
     ("stop", 3, TypeError, "3"),
     ("bad_words", [""], ValueError, "empty"),
     # logprobs
-    ("logprobs", -1, ValueError, "-1"),
+    ("logprobs", -2, ValueError, "-2"),
     ("logprobs", 2.0, TypeError, "2.0"),
     ("prompt_logprobs", -2, ValueError, "-2"),
     # token-id fields
