@@ -225,6 +225,11 @@ class LLM:
                 f"beam_width={params.beam_width} needs the top {k} logprobs per beam, more "
                 f"than max_logprobs={engine.max_logprobs}; build the LLM with max_logprobs>={k}"
             )
+        if not engine.kv_cache.enable_prefix_caching:
+            logger.warning(
+                "beam_search without prefix caching recomputes every beam's whole sequence at "
+                "each step; build the LLM with enable_prefix_caching=True to share them"
+            )
         token_prompts = []
         for prompt in _as_prompt_list(prompts):
             _, ids = engine._tokenize(prompt)
