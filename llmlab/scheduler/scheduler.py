@@ -422,8 +422,7 @@ class Scheduler:
             member.append_output(token_id, logprob, top)
             status = self._stop_status(member, token_id)
             if status is not None:
-                self._finish(member, status)
-                self._forget(member)
+                self._finish(member, status)  # the caller reports it and tells the policy
         return members
 
     def finish(self, request: Request, status: RequestStatus) -> None:

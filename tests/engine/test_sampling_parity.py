@@ -568,3 +568,19 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_when_unlimited(tiny_llama, l
     assert all(len(d) == vocab for d in out.prompt_logprobs[1:])
     ranks = sorted(lp.rank for lp in out.outputs[0].logprobs[0].values())
     assert ranks == list(range(1, vocab + 1))
+
+
+def test_the_policy_hears_each_sample_leave_once(tiny_llama):
+    from llmlab.scheduler.policies import FCFS
+
+    removed = []
+
+    class Counting(FCFS):
+        def remove(self, request):
+            removed.append(request.request_id)
+            super().remove(request)
+
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=64, scheduling_policy=Counting())
+    # max_tokens=1: every sample finishes at its first token, the forks inside the fan-out.
+    llm.generate(["a", "b"], SamplingParams(n=3, max_tokens=1), use_tqdm=False)
+    assert sorted(removed) == sorted(f"{i}_{j}" for i in range(3) for j in ("0", "1"))
