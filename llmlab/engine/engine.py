@@ -507,25 +507,24 @@ class Engine:
         return lambda token_id: decode_token(tokenizer, token_id)
 
     def _logprob_dicts(self, request: Request) -> list[dict]:
-        """vLLM's per-position ``{token_id: Logprob}``, converted once per position."""
-        dicts = request.logprob_dicts
-        if len(dicts) < len(request.output_logprobs):
-            decode = self._decoder(request)
-            dicts.extend(
-                t.to_dict(decode) if t is not None else {}
-                for t in request.output_logprobs[len(dicts) :]
-            )
-        return dicts
+        """vLLM's per-position ``{token_id: Logprob}`` of the output, converted once each."""
+        return self._extend_dicts(request, request.output_logprobs, request.logprob_dicts, {})
 
     def _prompt_logprob_dicts(self, request: Request) -> list[dict | None]:
-        dicts = request.prompt_logprob_dicts
-        if len(dicts) < len(request.prompt_logprobs):
+        """The same for the prompt (None for its first token); a copy for the output."""
+        return list(self._extend_dicts(
+            request, request.prompt_logprobs, request.prompt_logprob_dicts, None
+        ))
+
+    def _extend_dicts(self, request: Request, entries: list, dicts: list, missing) -> list:
+        """Convert the ``TokenLogprobs`` in ``entries`` not yet in ``dicts`` (None becomes
+        ``missing``), so a position is decoded once however often it is reported."""
+        if len(dicts) < len(entries):
             decode = self._decoder(request)
             dicts.extend(
-                t.to_dict(decode) if t is not None else None
-                for t in request.prompt_logprobs[len(dicts) :]
+                t.to_dict(decode) if t is not None else missing for t in entries[len(dicts) :]
             )
-        return list(dicts)
+        return dicts
 
     def _event(self, batch, finished, blocks, start: float, model_time: float) -> StepEvent:
         kv = self.scheduler.kv

@@ -160,10 +160,9 @@ class Sampler:
         for r in requests:
             p = r.sampling_params
             if (
-                p.temperature != 0.0 or r.grammar is not None or p.logits_processors
-                or p.allowed_token_ids is not None or p.bad_words or p.logit_bias
-                or p.min_tokens > len(r.output_token_ids) or p.repetition_penalty != 1.0
-                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                p.temperature != 0.0 or _restricts(r) or p.logit_bias
+                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
             ):
                 return False
         return True
@@ -248,6 +247,8 @@ class Sampler:
 
 
 def _restricts(request) -> bool:
+    """Whether the request has a constraint that can forbid tokens (a grammar, allowed ids,
+    bad words, min_tokens, or custom processors that may do anything)."""
     p = request.sampling_params
     return bool(
         request.grammar is not None or p.allowed_token_ids or p.bad_words or p.min_tokens

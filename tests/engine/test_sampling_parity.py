@@ -10,7 +10,6 @@ import torch
 import transformers
 
 from llmlab import LLM, RequestOutputKind, SamplingParams
-from llmlab.request import RequestStatus
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +216,8 @@ def forcing(targets):
 def test_stop_string_across_tokens(llm):
     tok = llm.get_tokenizer()
     targets = tok.encode("the cat sat on the mat", add_special_tokens=False)
-    assert len(tok.encode(" sat", add_special_tokens=False)) >= 1
+    # The stop string is only ever split across tokens, never inside one.
+    assert not any("t on t" in tok.decode([t]) for t in targets)
     base = dict(max_tokens=len(targets) + 5, logits_processors=[forcing(targets)], ignore_eos=True)
     out = llm.generate("x", SamplingParams(stop=["t on t"], **base), use_tqdm=False)[0].outputs[0]
     assert out.text == "the cat sa"
@@ -355,7 +355,6 @@ def test_status_reasons_match_vllm(llm):
     out = llm.generate("x", SamplingParams(max_tokens=4, stop_token_ids=[7],
                                            logits_processors=[forcing([7])]), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == 7
-    assert RequestStatus.FINISHED_STOPPED.value == "stop"
 
 
 # -- beam search ----------------------------------------------------------------------------
