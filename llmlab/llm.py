@@ -168,40 +168,14 @@ class LLM:
         """The prompts ``chat`` generates from: ``{"prompt": text, "prompt_token_ids": ids}``
         per conversation. A template that writes the BOS token itself is not given a second
         one by the tokenizer."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer (the LLM was built with skip_tokenizer_init)")
-        conversations = _as_conversations(messages)
-        if add_generation_prompt and continue_final_message:
-            raise ValueError(
-                "add_generation_prompt and continue_final_message exclude each other; set "
-                "add_generation_prompt=False to continue the final message"
-            )
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(f"chat_template must be a str or None, got {type(chat_template).__name__}")
-        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "the tokenizer has no chat template; pass chat_template=... (a Jinja template)"
-            )
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
-            )
-        bos = getattr(tokenizer, "bos_token", None)
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
-            )
-            has_bos = bool(bos) and text.startswith(bos)
-            ids = tokenizer.encode(text, add_special_tokens=not has_bos)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return prompts
+        return render_chat(
+            self.get_tokenizer(),
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def beam_search(
         self,
@@ -316,6 +290,53 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict] | Sequence[Sequence[dict]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[dict]:
+    """Render conversations with ``tokenizer``'s chat template (or ``chat_template``):
+    ``{"prompt": text, "prompt_token_ids": ids}`` per conversation (see
+    :meth:`LLM.render_chat`; the server renders chat requests with this too)."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer (the LLM was built with skip_tokenizer_init)")
+    conversations = _as_conversations(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "add_generation_prompt and continue_final_message exclude each other; set "
+            "add_generation_prompt=False to continue the final message"
+        )
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a str or None, got {type(chat_template).__name__}")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the tokenizer has no chat template; pass chat_template=... (a Jinja template)"
+        )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
+        )
+    bos = getattr(tokenizer, "bos_token", None)
+    prompts = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        has_bos = bool(bos) and text.startswith(bos)
+        ids = tokenizer.encode(text, add_special_tokens=not has_bos)
+        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    return prompts
 
 
 def _per_prompt(field: str, values: Any, n: int, check, allowed: str) -> list:

@@ -43,6 +43,20 @@ PromptType = str | dict | Sequence[int]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+@attrs.frozen
+class PreparedRequest:
+    """A request checked and tokenized by :meth:`Engine.prepare_request`, not yet queued."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    user: str | None = None
+    grammar: Any = None  # the compiled structured-output grammar, if any
+
+
 @attrs.define
 class Engine:
     """Continuous-batching inference engine over a paged KV cache.
@@ -76,6 +90,7 @@ class Engine:
     # Outputs built but not yet returned (a step that raised after updating requests).
     _undelivered: list[RequestOutput] = attrs.field(factory=list)
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
+    _init_lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @property
     def runner(self) -> Executor:
@@ -100,6 +115,27 @@ class Engine:
         ``priority``: lower is served first by policies that read it (vLLM's semantics).
         ``user``: who sent it (a string, or None); per-user policies such as ``fair`` share
         service between users.
+
+        The same as :meth:`add_prepared_request` of :meth:`prepare_request`.
+        """
+        prepared = self.prepare_request(request_id, prompt, params, arrival_time, priority, user)
+        self.add_prepared_request(prepared)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> PreparedRequest:
+        """Check and tokenize a request without queueing it (same arguments and errors as
+        :meth:`add_request`).
+
+        It reads no state that steps change, so it may run in another thread while the
+        engine steps: front ends (the :class:`~llmlab.engine.async_engine.AsyncEngine`)
+        tokenize and compile grammars here, off the engine's loop.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
@@ -120,37 +156,59 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens, longer than max_model_len="
                 f"{self.max_model_len}"
             )
+        kv = self.scheduler.kv
+        if kv.blocks_needed(len(token_ids)) > kv.num_blocks:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, needing {kv.blocks_needed(len(token_ids))} "
+                f"KV blocks of {kv.block_size} tokens, but the whole KV cache has "
+                f"{kv.num_blocks}; shorten the prompt or give the cache more memory"
+            )
         self._check_params(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._structured_backend().compile(params.structured_outputs)
-        with self._lock, deferred_interrupts():
-            members = self._new_requests(
-                request_id, token_ids, text, params, arrival_time, priority, user
+        return PreparedRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            priority=priority,
+            user=user,
+            grammar=grammar,
+        )
+
+    def add_prepared_request(self, prepared: PreparedRequest) -> None:
+        """Queue a request checked by :meth:`prepare_request`. Raises ``ValueError`` (and
+        queues nothing) when its id is already in use."""
+        if not isinstance(prepared, PreparedRequest):
+            raise TypeError(
+                f"expected a PreparedRequest (from prepare_request), got {type(prepared).__name__}"
             )
+        with self._lock, deferred_interrupts():
+            members = self._new_requests(prepared)
             for member in members:
-                if grammar is not None:
-                    member.grammar = self._structured.new_state(grammar)
+                if prepared.grammar is not None:
+                    member.grammar = self._structured.new_state(prepared.grammar)
                 if self.tokenizer is not None and member.sampling_params.detokenize:
                     member.detokenizer = IncrementalDetokenizer.from_params(
-                        self.tokenizer, token_ids, member.sampling_params
+                        self.tokenizer, prepared.prompt_token_ids, member.sampling_params
                     )
             for member in members:
                 self._requests[member.request_id] = member
             if members[0].group is not None:
-                self._groups[request_id] = members[0].group
+                self._groups[prepared.request_id] = members[0].group
             self.scheduler.add(members[0])
 
-    def _new_requests(
-        self, request_id, token_ids, text, params, arrival_time, priority, user
-    ) -> list[Request]:
+    def _new_requests(self, prepared: PreparedRequest) -> list[Request]:
         """The request, or its ``best_of`` parallel samples (the first one leads)."""
+        request_id, params = prepared.request_id, prepared.params
         num = params.num_samples
         ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
         taken = [i for i in {request_id, *ids} if i in self._requests or i in self._groups]
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
-        arrival = self.clock() if arrival_time is None else arrival_time
+        arrival = prepared.arrival_time
         group = SampleGroup(request_id, params.n) if num > 1 else None
         members = []
         for index, rid in enumerate(ids):
@@ -162,12 +220,12 @@ class Engine:
             members.append(
                 Request(
                     request_id=rid,
-                    prompt_token_ids=list(token_ids),
+                    prompt_token_ids=list(prepared.prompt_token_ids),
                     sampling_params=own,
                     arrival_time=arrival,
-                    priority=priority,
-                    user=user,
-                    prompt=text,
+                    priority=prepared.priority,
+                    user=prepared.user,
+                    prompt=prepared.prompt,
                     eos_token_ids=self.eos_token_ids,
                     group=group,
                     index=index,
@@ -222,6 +280,12 @@ class Engine:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
 
     def _structured_backend(self):
+        # Built once even when two threads prepare requests at once; not under the step
+        # lock, which a running step holds.
+        with self._init_lock:
+            return self._make_structured_backend()
+
+    def _make_structured_backend(self):
         if self._structured is None:
             from llmlab.sampling.structured import StructuredOutputBackend
 
@@ -402,10 +466,15 @@ class Engine:
             if group is not None and group.is_finished:
                 self._groups.pop(group.request_id, None)
 
+        sampled = tuple(
+            (r.request_id, r.num_output_tokens - before)
+            for r, before in progressed
+            if r.num_output_tokens > before
+        )
         blocks = self.scheduler.kv.drain_events()
         event = None
         if batch.entries or self._aborted_since_step or failed or blocks != BlockEvents():
-            event = self._event(batch, finished + failed, blocks, start, model_time)
+            event = self._event(batch, finished + failed, blocks, start, model_time, sampled)
         return event, errors
 
     def _advance_text(self, request: Request, before: int) -> bool:
@@ -526,8 +595,11 @@ class Engine:
             )
         return dicts
 
-    def _event(self, batch, finished, blocks, start: float, model_time: float) -> StepEvent:
+    def _event(
+        self, batch, finished, blocks, start: float, model_time: float, sampled
+    ) -> StepEvent:
         kv = self.scheduler.kv
+        end = self.clock()
         event = StepEvent(
             step_index=self._step_index,
             scheduled=tuple((e.request_id, e.num_new_tokens) for e in batch.entries),
@@ -547,8 +619,12 @@ class Engine:
             kv_usage=kv.usage,
             num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),
-            wall_time_s=self.clock() - start,
+            wall_time_s=end - start,
             model_time_s=model_time,
+            start_time_s=start,
+            end_time_s=end,
+            admitted=batch.admitted,
+            sampled=sampled,
         )
         self._aborted_since_step.clear()
         if batch.entries:

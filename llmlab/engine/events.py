@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import attrs
 
+from llmlab.scheduler.batch import Admission
+
 
 @attrs.frozen
 class StepEvent:
@@ -31,6 +33,13 @@ class StepEvent:
         num_waiting / num_running: queue lengths after the step.
         wall_time_s: wall-clock duration of the whole step.
         model_time_s: part of it spent in the model runner (forward + sampling).
+        start_time_s / end_time_s: the engine clock when the step began and when its
+            outputs were ready (``time.monotonic`` for a real engine, virtual time in
+            simulation): latency metrics are differences of these and arrival times.
+        admitted: requests admitted this step (:class:`~llmlab.scheduler.batch.Admission`:
+            arrival time, prompt length, prefix-cache tokens queried and hit, resumed).
+        sampled: ``(request_id, num_tokens)`` for each request that received new output
+            tokens this step (a parallel sample's first token included).
     """
 
     step_index: int
@@ -53,6 +62,10 @@ class StepEvent:
     num_running: int
     wall_time_s: float
     model_time_s: float
+    start_time_s: float = 0.0
+    end_time_s: float = 0.0
+    admitted: tuple[Admission, ...] = ()
+    sampled: tuple[tuple[str, int], ...] = ()
 
 
 StepObserver = Callable[[StepEvent], None]

@@ -1,6 +1,6 @@
 """Scheduling: the continuous-batching scheduler and the policies it consults."""
 
-from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.batch import Admission, BatchOutput, ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.policies import (
     FCFS,
     SCHEDULING_POLICIES,
@@ -31,6 +31,7 @@ __all__ = [
     "OrderPolicy",
     "Policy",
     "PriorityPolicy",
+    "Admission",
     "ScheduledBatch",
     "ScheduledRequest",
     "Scheduler",

@@ -75,6 +75,28 @@ class ScheduledRequest:
 
 
 @attrs.frozen
+class Admission:
+    """A request admitted to running in a step (first time, or resumed after preemption).
+
+    Attributes:
+        request_id: the request.
+        arrival_time: when it was added (the engine clock), for queueing-time metrics.
+        num_prompt_tokens: its prompt length.
+        num_queried_tokens: tokens looked up in the prefix cache at admission (0 when no
+            lookup ran: prefix caching off, or prompt logprobs asked for).
+        num_cached_tokens: how many of them were found there (not computed again).
+        resumed: whether it was preempted before (its KV is being recomputed).
+    """
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    num_queried_tokens: int
+    num_cached_tokens: int
+    resumed: bool = False
+
+
+@attrs.frozen
 class ScheduledBatch:
     """Everything one step executes, in batch order.
 
@@ -86,12 +108,15 @@ class ScheduledBatch:
             may reuse them.
         block_copies: ``(src_block, dst_block)`` KV copies to apply before the forward
             (copy-on-write of a shared, partly filled block).
+        admitted: requests admitted from the waiting queue in this step (their entries
+            are among ``entries``), for observers; executors need not read it.
     """
 
     entries: tuple[ScheduledRequest, ...]
     preempted: tuple[str, ...] = ()
     freed_rows: tuple[int, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
+    admitted: tuple[Admission, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

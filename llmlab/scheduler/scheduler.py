@@ -34,7 +34,7 @@ import attrs
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError, RequestFailedError
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.batch import Admission, BatchOutput, ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import (
     OrderPolicy,
@@ -81,6 +81,7 @@ class Scheduler:
     # Requests forked into running whose first entry is still to come (new_row=True then).
     _unstarted: set[int] = attrs.field(init=False, factory=set)
     _errors: list[Exception] = attrs.field(init=False, factory=list)
+    _admitted: list[Admission] = attrs.field(init=False, factory=list)  # this step's
     _next_seq: int = attrs.field(init=False, default=0)
     _now: float = attrs.field(init=False, default=0.0)  # the last step's schedule time
 
@@ -134,6 +135,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._admitted = []
 
         unscheduled = self._running_order(now)
         while unscheduled is not None and unscheduled and budget > 0:
@@ -155,6 +157,7 @@ class Scheduler:
             preempted=tuple(preempted),
             freed_rows=freed,
             block_copies=tuple(self.kv.take_block_copies()),
+            admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
 
     def _running_order(self, now: float) -> list[Request] | None:
@@ -318,6 +321,15 @@ class Scheduler:
             self._preempt(victim, now)
             preempted.append(victim.request_id)
         request.num_computed_tokens = num_cached
+        queried = 0 if request.needs_prompt_logprobs or not self.kv.enable_prefix_caching else (
+            request.num_tokens
+        )
+        self._admitted.append(
+            Admission(
+                request.request_id, request.arrival_time, request.num_prompt_tokens,
+                queried, num_cached, resumed=request.num_preemptions > 0,
+            )
+        )
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING

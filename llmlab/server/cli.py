@@ -3,8 +3,10 @@
     llmlab generate "Hello, my name is" --max-tokens 32 --temperature 0.8
     llmlab generate "Hello" --model Qwen/Qwen3-0.6B --scheduling-policy fair
     llmlab components            # every registered policy and backend, with its one-line doc
+    llmlab serve [MODEL] --port 8000 --api-key KEY     # an OpenAI-compatible server
+    llmlab bench serve --base-url http://127.0.0.1:8000 --num-prompts 100
 
-Without ``--model`` it runs llmlab's built-in tiny model (random weights, built locally on
+Without a model it runs llmlab's built-in tiny model (random weights, built locally on
 first use), so the command works on an offline machine; its text is gibberish.
 """
 
@@ -26,7 +28,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="automatic prefix caching (default on)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="same as --no-enable-prefix-caching")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     names = "a registered name (see `llmlab components`) or package.module:Class"
     parser.add_argument("--scheduling-policy", default="fcfs", help=f"{names}; default fcfs")
     parser.add_argument("--eviction-policy", default="lru", help=f"{names}; default lru")
@@ -56,16 +62,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from llmlab import LLM, SamplingParams
 
-    model = args.model
-    if model is None:
-        from llmlab.models.tiny import ensure_builtin_model
-
-        model = str(ensure_builtin_model())
-        print(
-            f"[llmlab] no --model given: using the built-in tiny model at {model} "
-            "(random weights, so the text is gibberish)",
-            file=sys.stderr,
-        )
+    model = _model_or_builtin(args.model)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -84,23 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
             logprobs=args.logprobs,
         )
-        llm = LLM(
-            model,
-            tokenizer=args.tokenizer,
-            revision=args.revision,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            enable_prefix_caching=not args.no_prefix_caching,
-            scheduling_policy=args.scheduling_policy,
-            eviction_policy=args.eviction_policy,
-            attention_backend=args.attention_backend,
-        )
+        llm = LLM(model, **_engine_settings(args))
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ValueError, TypeError, OSError) as err:
         # A bad flag value or model path is the user's to fix: one line, no traceback.
@@ -121,6 +102,114 @@ def _generate(args: argparse.Namespace) -> int:
                 )
                 print(f"    {shown}")
     return 0
+
+
+def _model_or_builtin(model: str | None) -> str:
+    if model is not None:
+        return model
+    from llmlab.models.tiny import ensure_builtin_model
+
+    path = str(ensure_builtin_model())
+    print(
+        f"[llmlab] no model given: using the built-in tiny model at {path} "
+        "(random weights, so the text is gibberish)",
+        file=sys.stderr,
+    )
+    return path
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    """``LLM(...)`` keyword arguments from the engine flags."""
+    return dict(
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        eviction_policy=args.eviction_policy,
+        attention_backend=args.attention_backend,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        import uvicorn
+
+        from llmlab.server.app import build_app
+    except ImportError as err:
+        print(f"error: llmlab serve needs fastapi and uvicorn ({err}); "
+              "pip install fastapi uvicorn prometheus-client", file=sys.stderr)
+        return 2
+    from llmlab.engine.async_engine import AsyncEngine
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        print("error: give the model once (positionally or with --model)", file=sys.stderr)
+        return 2
+    given = args.model_tag or args.model
+    model = _model_or_builtin(given)
+    names = args.served_model_name or [given or "llmlab-tiny-llama"]
+    api_key = args.api_key or os.environ.get("LLMLAB_API_KEY") or None
+    try:
+        chat_template = _read_chat_template(args.chat_template)
+        origins = _origins(args.allowed_origins)
+        engine = AsyncEngine.from_settings(model, **_engine_settings(args))
+    except (ValueError, TypeError, OSError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    app = build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
+                    chat_template=chat_template, allowed_origins=origins)
+    print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
+          f"{' (API key required)' if api_key else ''}", file=sys.stderr)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown; open streams get a few seconds,
+    # then the app's shutdown stops the engine loop and ends whatever is left.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """A template file's contents, or the template itself when ``value`` is not a file."""
+    import pathlib
+
+    if value is None:
+        return None
+    path = pathlib.Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _origins(values: list[str] | None) -> list[str]:
+    """``--allowed-origins a b`` or vLLM's JSON list ``--allowed-origins '["*"]'``."""
+    import json
+
+    if not values:
+        return []
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--allowed-origins is not a JSON list: {err}") from None
+        if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+            raise ValueError("--allowed-origins must be a JSON list of strings")
+        return parsed
+    return list(values)
 
 
 def _components(args: argparse.Namespace) -> int:
@@ -164,9 +253,43 @@ def main(argv: list[str] | None = None) -> int:
         "kind", nargs="?", default=None,
         help="scheduling_policy, eviction_policy or attention_backend (default: all)",
     )
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server", allow_abbrev=False
+    )
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="local directory or hub id (default: the built-in tiny model)")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require this key on /v1 routes (default: $LLMLAB_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use for the model (default: MODEL as given)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one")
+    serve.add_argument("--allowed-origins", nargs="*", default=None,
+                       help='CORS origins: a list, or a JSON list such as \'["*"]\'')
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    bench = commands.add_parser("bench", help="benchmarks", allow_abbrev=False)
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_commands.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (like vllm bench serve)",
+        allow_abbrev=False,
+    )
+    from llmlab.server.bench import add_bench_serve_args
+
+    add_bench_serve_args(bench_serve)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "bench":
+        from llmlab.server.bench import run_bench_serve
+
+        return run_bench_serve(args)
     if args.command == "components":
         return _components(args)
     return 1  # unreachable: argparse rejects unknown commands

@@ -1,0 +1,407 @@
+"""``AsyncEngine``: the engine loop in a background thread, asyncio streams in front.
+
+The shape of vLLM's ``AsyncLLMEngine``: ``generate(prompt, params, request_id)`` is an async
+generator of :class:`~llmlab.engine.outputs.RequestOutput`; ``abort(request_id)`` stops a
+request; ``check_health()`` raises when the loop cannot serve.
+
+Threads. Exactly one thread touches the :class:`~llmlab.engine.engine.Engine`: the loop
+thread, which steps it. Callers never wait for a step:
+
+* ``add_request`` checks and tokenizes the request in a worker thread
+  (:meth:`Engine.prepare_request` reads no state a step changes), so bad input raises in the
+  caller at once, then hands the prepared request to the loop through an inbox;
+* ``abort`` only records the id and wakes the loop;
+* the loop, between steps, applies aborts, then queues new requests, then steps, and hands
+  each step's outputs to the streams' event loops (one ``call_soon_threadsafe`` per step).
+
+Failures. A request the engine fails (it can never fit the cache) ends its stream with
+:class:`~llmlab.errors.RequestFailedError`. Any other error in a step (a user component, the
+model) aborts every request in flight and ends each stream with :class:`EngineError`: none
+hangs. The engine's own state is consistent after such an error, so the loop goes on
+serving new requests; :meth:`AsyncEngine.check_health` reports the failure until a step
+succeeds again. If the loop thread itself dies or is shut down, every stream ends with
+:class:`EngineDeadError` and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmlab.engine.engine import Engine, PreparedRequest, PromptType
+from llmlab.engine.outputs import RequestOutput
+from llmlab.errors import RequestFailedError
+from llmlab.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # a stream's end-of-outputs marker
+
+
+class EngineError(RuntimeError):
+    """A step failed; the requests in flight were aborted. The engine keeps serving."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or it crashed)."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Iterating yields each :class:`RequestOutput` as the engine produces it and stops after
+    the finished one. It raises :class:`~llmlab.errors.RequestFailedError`,
+    :class:`EngineError` or :class:`EngineDeadError` when the request could not complete.
+    :meth:`abort` (or leaving an ``async with`` block) stops the request if it is still
+    running and frees its KV blocks.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the engine will send nothing more
+        self.aborted = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def abort(self) -> None:
+        """Stop the request (a no-op once it has finished)."""
+        if not self.finished:
+            self._engine.abort_nowait(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+    # -- fed by the loop thread, through the stream's event loop -------------------------
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    """Serve an :class:`Engine` to asyncio code (vLLM's ``AsyncLLMEngine``).
+
+    Build one around an engine (``AsyncEngine(engine)``) or from ``LLM``'s arguments
+    (:meth:`from_settings`). The loop thread starts at construction (``start=False`` to
+    start it later with :meth:`start`); :meth:`shutdown` stops it.
+    """
+
+    def __init__(self, engine: Engine, *, start: bool = True) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[PreparedRequest, RequestStream]] = []
+        self._aborts: set[str] = set()
+        self._streams: dict[str, RequestStream] = {}  # guarded by _cond
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._last_error: BaseException | None = None  # the latest failed step, until one works
+        self._step_again = False  # a failed step may still hold outputs to deliver
+        self._failures: dict[str, str] = {}  # request id -> why the engine failed it
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_settings(cls, model: str, tokenizer: str | None = None, **kwargs: Any) -> AsyncEngine:
+        """Build the engine exactly as ``LLM(model, tokenizer, **kwargs)`` would."""
+        from llmlab.llm import LLM
+
+        return cls(LLM(model, tokenizer, **kwargs).llm_engine)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread (once)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="llmlab-engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after its current step; end every open stream with
+        :class:`EngineDeadError` and abort their requests. Safe to call twice."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._cond:
+            streams = list(self._streams.values()) + [s for _, s in self._inbox]
+            self._streams.clear()
+            self._inbox.clear()
+        if streams:
+            try:
+                self.engine.abort_request([s.request_id for s in streams])
+            except Exception:
+                logger.exception("aborting the open requests at shutdown failed")
+            self._end(streams, EngineDeadError("the engine was shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        """True when the loop is dead or the latest step failed."""
+        return self._dead is not None or self._last_error is not None
+
+    async def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the loop is not running, :class:`EngineError`
+        if the latest step failed (until a step succeeds again)."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason())
+        if self._last_error is not None:
+            raise EngineError(f"the latest engine step failed: {_describe(self._last_error)}")
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Check and queue a request; returns its :class:`RequestStream`.
+
+        Raises ``TypeError``/``ValueError`` (queueing nothing) on bad input, exactly as
+        :meth:`Engine.add_request` does, and :class:`EngineDeadError` when not running.
+        ``request_id=None`` picks a fresh one.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead_reason())
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        with self._cond:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        prepared = await asyncio.to_thread(
+            self.engine.prepare_request, request_id, prompt, params, arrival_time, priority, user
+        )
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        with self._cond:
+            if not self.is_running:
+                raise EngineDeadError(self._dead_reason())
+            if request_id in self._streams:  # the same id, added meanwhile
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._inbox.append((prepared, stream))
+            self._cond.notify()
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they are produced (vLLM's ``generate``).
+
+        What each output holds follows ``sampling_params.output_kind``: everything so far
+        (``CUMULATIVE``, the default), only what is new (``DELTA``), or just the final one
+        (``FINAL_ONLY``). Closing the generator early (a client that went away) aborts the
+        request and frees its blocks.
+        """
+        stream = await self.add_request(
+            request_id, prompt, sampling_params, priority=priority, user=user
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its stream ends. Unknown ids are ignored."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """:meth:`abort` for synchronous code (any thread): the loop applies it before
+        its next step."""
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+            self._aborts.add(request_id)
+            self._cond.notify()
+        if stream is not None:
+            stream.aborted = True
+            self._end([stream], None)
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose streams are open (queued, running, or not yet picked up)."""
+        with self._cond:
+            return len(self._streams)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    # -- the loop thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (
+                        self._stopping or self._inbox or self._aborts or self._step_again
+                        or self.engine.has_unfinished_requests()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, set()
+                    self._step_again = False
+                self._apply(aborts, inbox)
+                self._step()
+        except BaseException as err:  # a bug in this loop: never leave a stream hanging
+            self._dead = err
+            logger.exception("the engine loop died")
+            with self._cond:
+                self._stopping = True
+                streams = list(self._streams.values()) + [s for _, s in self._inbox]
+                self._streams.clear()
+                self._inbox.clear()
+            self._end(streams, EngineDeadError(f"the engine loop died: {_describe(err)}"))
+
+    def _apply(self, aborts: set[str], inbox: list[tuple[PreparedRequest, RequestStream]]):
+        if aborts:
+            try:
+                self.engine.abort_request(aborts)
+            except Exception:  # a policy failed in remove(); the engine stays consistent
+                logger.exception("aborting %d request(s) raised", len(aborts))
+            self._step_again = True  # the step after an abort reports it (and frees blocks)
+        for prepared, stream in inbox:
+            if stream.aborted:
+                continue  # aborted before it reached the engine
+            try:
+                self.engine.add_prepared_request(prepared)
+            except Exception as err:
+                with self._cond:
+                    self._streams.pop(stream.request_id, None)
+                self._end([stream], err)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except RequestFailedError as err:
+            # The engine ended that request itself; its final output comes with the next
+            # step, which then ends the stream with this error.
+            self._failures[err.request_id] = str(err)
+            self._step_again = True
+            return
+        except Exception as err:
+            self._last_error = err
+            logger.exception("an engine step failed; aborting the requests in flight")
+            self._fail_all(err)
+            return
+        self._last_error = None
+        if outputs:
+            self._deliver(outputs)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        ids = [s.request_id for s in streams]
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the requests of a failed step also failed")
+        self._step_again = True
+        self._end(streams, EngineError(f"the engine step failed: {_describe(err)}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        with self._cond:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue  # aborted by its caller meanwhile
+                item: Any = output
+                failure = self._failures.pop(output.request_id, None)
+                if output.finished:
+                    del self._streams[output.request_id]
+                    stream.finished = True
+                    if failure is None and _engine_aborted(output):
+                        failure = "the engine aborted the request (see the server log)"
+                    if failure is not None:
+                        item = RequestFailedError(output.request_id, failure)
+                by_loop.setdefault(stream._loop, []).append((stream, item))
+                if output.finished:
+                    by_loop[stream._loop].append((stream, _END))
+        for loop, items in by_loop.items():
+            self._call_soon(loop, items)
+
+    def _end(self, streams: list[RequestStream], error: BaseException | None) -> None:
+        """Finish streams (with ``error`` raised to their readers, if given)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream in streams:
+            stream.finished = True
+            items = by_loop.setdefault(stream._loop, [])
+            if error is not None:
+                items.append((stream, error))
+            items.append((stream, _END))
+        for loop, items in by_loop.items():
+            self._call_soon(loop, items)
+
+    def _call_soon(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody is reading these streams
+            ids = [s.request_id for s, _ in items if not s.finished]
+            if ids:
+                self.abort_nowait_many(ids)
+
+    def abort_nowait_many(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.abort_nowait(request_id)
+
+    def _dead_reason(self) -> str:
+        if self._dead is not None:
+            return f"the engine loop died: {_describe(self._dead)}"
+        if self._thread is None:
+            return "the engine loop was not started (call start())"
+        return "the engine was shut down"
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _engine_aborted(output: RequestOutput) -> bool:
+    return any(c.finish_reason == "abort" for c in output.outputs)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"

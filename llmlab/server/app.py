@@ -1,0 +1,269 @@
+"""The OpenAI-compatible FastAPI app (``llmlab serve`` runs it under uvicorn).
+
+:func:`build_app` wraps an :class:`~llmlab.engine.async_engine.AsyncEngine`. Routes:
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
+with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
+``GET /metrics`` (Prometheus).
+
+Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
+without the API key on ``/v1`` routes, 404 for an unknown model or route, 503 while the
+engine cannot serve, 500 only for a bug. A client that disconnects has its requests aborted.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route functions'
+# annotations at runtime. This module is imported only to serve, so it imports FastAPI at
+# the top.
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
+from starlette.exceptions import HTTPException
+
+import llmlab
+from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from llmlab.errors import RequestFailedError
+from llmlab.server import protocol as p
+from llmlab.server.metrics import EngineMetrics
+from llmlab.server.serving import APIError, ClientDisconnected, OpenAIServing, bad_request
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {
+    400: {"model": p.ErrorResponse, "description": "Bad request"},
+    401: {"model": p.ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": p.ErrorResponse, "description": "Unknown model"},
+    500: {"model": p.ErrorResponse, "description": "Internal error"},
+    503: {"model": p.ErrorResponse, "description": "The engine cannot serve now"},
+}
+_PLAIN_ERRORS = {k: v for k, v in _ERRORS.items() if k != 401}
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    served_model_names: Sequence[str] = ("llmlab",),
+    model_path: str | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    allowed_origins: Sequence[str] = (),
+    shutdown_engine: bool = True,
+):
+    """The FastAPI app serving ``engine``.
+
+    ``served_model_names``: the names clients use (the first is the default for requests
+    that name none). ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1``
+    routes. ``chat_template``: overrides the tokenizer's. ``allowed_origins``: CORS
+    origins. ``shutdown_engine``: stop the engine's loop when the app shuts down.
+    """
+    names = list(served_model_names)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_names must be non-empty strings, got {names!r}")
+    serving = OpenAIServing(engine, names, model_path=model_path, chat_template=chat_template)
+    metrics = EngineMetrics(names[0])
+    engine.engine.subscribe(metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            engine.engine.unsubscribe(metrics)
+            if shutdown_engine:
+                await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(
+        title="llmlab OpenAI-compatible server", version=llmlab.__version__, lifespan=lifespan
+    )
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.engine = engine
+
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, err: RequestValidationError):
+        return error_response(_validation_api_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return error_response(APIError(str(err.detail), status=err.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, err: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(f"internal error: {type(err).__name__}", status=500,
+                                       type="server_error"))
+
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=True,
+            allow_methods=["*"], allow_headers=["*"],
+        )
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+    # Declares the bearer scheme in /openapi.json; the middleware above enforces it (before
+    # the body is even read, so a bad key is a 401 whatever the body holds).
+    bearer = HTTPBearer(auto_error=False)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer)] if api_key else [])
+
+    async def run(coro):
+        try:
+            return await coro
+        except (ValueError, TypeError) as err:
+            raise bad_request(err) from err
+        except RequestFailedError as err:
+            raise APIError(str(err)) from err
+        except (EngineError, EngineDeadError) as err:
+            raise APIError(str(err), status=503, type="server_error") from err
+
+    def respond(result):
+        if isinstance(result, p.BaseModel):
+            return result
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def watcher(request: Request):
+        async def disconnected():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+        return disconnected
+
+    stream_200 = {200: {"content": {"text/event-stream": {}},
+                        "description": "JSON, or server-sent events with stream=true"}}
+
+    @v1.get("/models", response_model=p.ModelList, responses=_ERRORS)
+    async def list_models():
+        return serving.models()
+
+    @v1.post("/completions", response_model=p.CompletionResponse,
+             responses={**_ERRORS, **stream_200})
+    async def completions(body: p.CompletionRequest, request: Request):
+        try:
+            return respond(await run(serving.completions(body, watcher(request))))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
+             responses={**_ERRORS, **stream_200})
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        try:
+            return respond(await run(serving.chat(body, watcher(request))))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    app.include_router(v1)
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_PLAIN_ERRORS)
+    async def tokenize(body: p.TokenizeRequest):
+        return await run(asyncio.to_thread(serving.tokenize, body))
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_PLAIN_ERRORS)
+    async def detokenize(body: p.DetokenizeRequest):
+        return await run(asyncio.to_thread(serving.detokenize, body))
+
+    @app.get("/health", responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
+    async def health():
+        try:
+            await engine.check_health()
+        except (EngineError, EngineDeadError) as err:
+            raise APIError(str(err), status=503, type="server_error") from err
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=p.VersionResponse)
+    async def version():
+        return p.VersionResponse(version=llmlab.__version__)
+
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}},
+                                          "description": "Prometheus text format"}})
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    _truthful_openapi(app)
+    return app
+
+
+def _validation_api_error(err) -> APIError:
+    """FastAPI's validation error as one 400 naming the first bad field."""
+    errors = err.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        ctx = first.get("ctx", {}) or {}
+        return APIError(f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else "the body: "
+    message = f"{where}{first.get('msg', 'invalid request')}"
+    if "input" in first and kind not in ("missing",):
+        message += f" (got {_short(first['input'])})"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return APIError(message, param=param)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _APIKeyMiddleware:
+    """Require ``Authorization: Bearer KEY`` on every ``/v1`` route (pure ASGI, so the key is
+    checked before the body is read)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
+            scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+        ):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        err = APIError("missing or wrong API key (send Authorization: Bearer <key>)",
+                       status=401, code="invalid_api_key")
+        await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+
+
+def _truthful_openapi(app) -> None:
+    """Drop FastAPI's default 422 responses from the schema: this server answers 400."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = original()
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                if isinstance(op, dict):
+                    op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
