@@ -206,19 +206,39 @@ def _validation_api_error(err) -> APIError:
     """FastAPI's validation error as one 400 naming the first bad field."""
     errors = err.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":
         ctx = first.get("ctx", {}) or {}
         return APIError(f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
-    param = ".".join(loc) or None
+    param = _field_path(first.get("loc", ()))
     where = f"{param}: " if param else "the body: "
-    message = f"{where}{first.get('msg', 'invalid request')}"
-    if "input" in first and kind not in ("missing",):
-        message += f" (got {_short(first['input'])})"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem(s))"
+    # A value that fits none of a union's types fails once per type: say it once.
+    same = [e for e in errors if _field_path(e.get("loc", ())) == param]
+    if len(same) > 1:
+        message = f"{where}{_short(first.get('input'))} is none of the allowed types"
+    else:
+        message = f"{where}{first.get('msg', 'invalid request')}"
+        if "input" in first and kind != "missing":
+            message += f" (got {_short(first['input'])})"
+    if len(errors) > len(same):
+        message += f" (and {len(errors) - len(same)} more problem(s))"
     return APIError(message, param=param)
+
+
+def _field_path(loc) -> str | None:
+    """``body.messages.0.role`` -> ``messages.0.role``, without pydantic's union-member
+    tags (``list[int]``, ``str``, ...), which are not fields."""
+    parts = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int) or (str(part).isidentifier() and str(part) not in _TYPE_TAGS):
+            parts.append(str(part))
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
+              "function-plain"}
 
 
 def _short(value: Any) -> str:
