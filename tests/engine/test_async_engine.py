@@ -1,0 +1,190 @@
+"""``AsyncEngine``: streaming outputs, abort, failures that end streams instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmlab import LLM, SamplingParams
+from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from llmlab.errors import RequestFailedError
+from llmlab.sampling.params import RequestOutputKind
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture
+def engine(tiny_llama):
+    eng = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    yield eng
+    eng.shutdown()
+
+
+def run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_generate_streams_what_llm_generate_returns(engine, tiny_llama):
+    want = LLM(tiny_llama, dtype="float32").generate(["Hello", "Bye now"], GREEDY, use_tqdm=False)
+
+    async def main():
+        async def one(prompt, rid):
+            outs = [o async for o in engine.generate(prompt, GREEDY, rid)]
+            return outs
+
+        return await asyncio.gather(one("Hello", "a"), one("Bye now", "b"))
+
+    a, b = run(main())
+    for outs, ref in ((a, want[0]), (b, want[1])):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        assert outs[-1].outputs[0].text == ref.outputs[0].text
+        assert len(outs) > 1  # cumulative outputs, one per step
+    assert engine.engine.kv_cache.usage == 0.0
+
+
+def test_delta_outputs_concatenate(engine):
+    params = SamplingParams(max_tokens=10, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        deltas = [o async for o in engine.generate("Deltas", params)]
+        final = [o async for o in engine.generate(
+            "Deltas", SamplingParams(max_tokens=10, temperature=0.0,
+                                     output_kind=RequestOutputKind.FINAL_ONLY))]
+        return deltas, final
+
+    deltas, final = run(main())
+    assert len(final) == 1
+    assert "".join(d.outputs[0].text for d in deltas if d.outputs) == final[0].outputs[0].text
+    assert sum((d.outputs[0].token_ids for d in deltas if d.outputs), []) == \
+        final[0].outputs[0].token_ids
+
+
+def test_bad_input_raises_in_the_caller_and_queues_nothing(engine):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("x", {"prompt_token_ids": [1] * 600}, GREEDY)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await engine.add_request("y", "", GREEDY)
+        stream = await engine.add_request("dup", "Hi", SamplingParams(max_tokens=50))
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("dup", "Hi", GREEDY)
+        stream.abort()
+
+    run(main())
+    assert engine.num_open_requests == 0
+
+
+def test_abort_and_closing_the_generator_free_blocks(engine):
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate("A long one", long, "g")
+        first = await gen.__anext__()
+        assert not first.finished
+        await gen.aclose()  # a client that went away
+        stream = await engine.add_request("s", "Another", long)
+        await stream.__anext__()
+        await engine.abort("s")
+        rest = [o async for o in stream]  # the stream just ends
+        return rest
+
+    assert run(main()) == []
+    _wait_until(lambda: engine.engine.kv_cache.usage == 0.0 and
+                not engine.engine.has_unfinished_requests())
+    assert not engine.engine.has_request("g") and not engine.engine.has_request("s")
+
+
+def test_a_failing_step_fails_requests_in_flight_and_the_engine_recovers(engine):
+    inner = engine.engine.executor
+    state = {"fail": False}
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def execute(self, batch):
+            if state["fail"]:
+                raise RuntimeError("device lost")
+            return inner.execute(batch)
+
+    engine.engine.executor = Flaky()
+
+    async def main():
+        state["fail"] = True
+        streams = [await engine.add_request(f"r{i}", "Hello", GREEDY) for i in range(3)]
+        for stream in streams:
+            with pytest.raises(EngineError, match="device lost"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineError):
+            await engine.check_health()
+        state["fail"] = False
+        outs = [o async for o in engine.generate("Hello", GREEDY)]
+        await engine.check_health()
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    assert engine.engine.kv_cache.usage == 0.0
+
+
+def test_a_request_the_engine_fails_ends_its_stream_with_the_reason(engine):
+    # The builder sizes the cache for max_model_len, so make the scheduler fail one request
+    # mid-step as it would one that can never fit.
+    scheduler, inner = engine.engine.scheduler, engine.engine.executor
+
+    class FailsBig:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def execute(self, batch):
+            for entry in batch.entries:
+                if entry.request_id == "big" and not entry.request.is_finished:
+                    scheduler._fail(entry.request, "request 'big' can never be scheduled")
+            return inner.execute(batch)
+
+    engine.engine.executor = FailsBig()
+
+    async def main():
+        big = await engine.add_request("big", "Hello", SamplingParams(max_tokens=60))
+        small = await engine.add_request("small", "Hello", GREEDY)
+        with pytest.raises(RequestFailedError, match="never be scheduled"):
+            async for _ in big:
+                pass
+        return [o async for o in small]
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    _wait_until(lambda: engine.engine.kv_cache.usage == 0.0)
+
+
+def test_shutdown_ends_open_streams_and_refuses_new_requests(tiny_llama):
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+
+    async def main():
+        stream = await engine.add_request(
+            "s", "Hi", SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("t", "Hi", GREEDY)
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+
+    run(main())
+    assert not engine.is_running
+    assert engine.engine.kv_cache.usage == 0.0
+
+
+def _wait_until(condition, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
