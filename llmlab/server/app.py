@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException
 
@@ -179,7 +179,8 @@ def build_app(
     async def detokenize(body: p.DetokenizeRequest):
         return await run(asyncio.to_thread(serving.detokenize, body))
 
-    @app.get("/health", responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
     async def health():
         try:
             await engine.check_health()
@@ -191,8 +192,8 @@ def build_app(
     async def version():
         return p.VersionResponse(version=llmlab.__version__)
 
-    @app.get("/metrics", responses={200: {"content": {"text/plain": {}},
-                                          "description": "Prometheus text format"}})
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}})
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 

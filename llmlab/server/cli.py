@@ -13,6 +13,7 @@ first use), so the command works on an offline machine; its text is gibberish.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -174,11 +175,27 @@ def _serve(args: argparse.Namespace) -> int:
     # then the app's shutdown stops the engine loop and ends whatever is left.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
+    # uvicorn handles SIGINT/SIGTERM itself, then raises the signal again once it has shut
+    # down; these handlers turn that into a normal exit (status 0) instead of a traceback.
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.Server(config).run()
+    except (KeyboardInterrupt, _Stopped):
+        pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.shutdown()
+    print("[llmlab] server shut down", file=sys.stderr)
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM (or SIGINT) arrived after the server had shut down."""
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def _read_chat_template(value: str | None) -> str | None:
