@@ -311,6 +311,9 @@ class AsyncEngine:
                 self._end([stream], err)
 
     def _step(self) -> None:
+        # Only a step with work proves the engine healthy again (not an empty one that
+        # merely reports aborts).
+        had_work = self.engine.has_unfinished_requests()
         try:
             outputs = self.engine.step()
         except RequestFailedError as err:
@@ -324,7 +327,8 @@ class AsyncEngine:
             logger.exception("an engine step failed; aborting the requests in flight")
             self._fail_all(err)
             return
-        self._last_error = None
+        if had_work:
+            self._last_error = None
         if outputs:
             self._deliver(outputs)
 
