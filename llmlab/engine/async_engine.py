@@ -87,7 +87,7 @@ class RequestStream:
         if not self.finished:
             self._engine.abort_nowait(self.request_id)
 
-    async def __aenter__(self) -> RequestStream:
+    async def __aenter__(self) -> RequestStream:  # noqa: PYI034
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -305,7 +305,7 @@ class AsyncEngine:
                 continue  # aborted before it reached the engine
             try:
                 self.engine.add_prepared_request(prepared)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - it goes to that request's caller
                 with self._cond:
                     self._streams.pop(stream.request_id, None)
                 self._end([stream], err)

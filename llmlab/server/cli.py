@@ -121,23 +121,23 @@ def _model_or_builtin(model: str | None) -> str:
 
 def _engine_settings(args: argparse.Namespace) -> dict:
     """``LLM(...)`` keyword arguments from the engine flags."""
-    return dict(
-        tokenizer=args.tokenizer,
-        revision=args.revision,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        eviction_policy=args.eviction_policy,
-        attention_backend=args.attention_backend,
-    )
+    return {
+        "tokenizer": args.tokenizer,
+        "revision": args.revision,
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "scheduling_policy": args.scheduling_policy,
+        "eviction_policy": args.eviction_policy,
+        "attention_backend": args.attention_backend,
+    }
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ class APIError(Exception):
         self,
         message: str,
         status: int = 400,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        type: str = "invalid_request_error",
         param: str | None = None,
         code: int | str | None = None,
     ) -> None:
@@ -146,9 +146,7 @@ class OpenAIServing:
 
     def _completion_prompts(self, request: p.CompletionRequest) -> list[_Prompt]:
         raw = request.prompt
-        if isinstance(raw, str):
-            raw = [raw]
-        elif raw and isinstance(raw[0], int):
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
         if not raw:
             raise APIError("prompt is empty: give a string, a list of strings or token ids",
@@ -227,7 +225,7 @@ class OpenAIServing:
             )[0]
         except (ValueError, TypeError) as err:
             raise bad_request(err, _fields(request)) from err
-        except Exception as err:  # a Jinja error in a user's template is the user's to fix
+        except Exception as err:
             raise APIError(f"the chat template failed to render: {type(err).__name__}: {err}",
                            param="chat_template") from err
         return _Prompt(rendered["prompt"], rendered["prompt_token_ids"])
@@ -438,7 +436,7 @@ class _CompletionRun:
                 yield _sse(p.CompletionStreamResponse(
                     id=self.id, created=self.created, model=self.model, choices=[],
                     usage=_usage(prompt_tokens, completion_tokens)))
-        except Exception as err:  # the stream has started: the error goes in-band
+        except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in-band
             yield _sse_error(err)
         finally:
             for s in self.streams:
@@ -508,7 +506,7 @@ class _ChatRun:
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
             if _include_usage(self.request):
                 yield chunk([], _usage(len(self.prompt.token_ids), completion_tokens))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - sent in-band, as above
             yield _sse_error(err)
         finally:
             self.stream_.abort()
@@ -647,7 +645,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         try:
             async for out in stream:
                 await queue.put((i, out))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - handed to the reader, who raises it
             await queue.put((i, err))
         finally:
             await queue.put((i, done))

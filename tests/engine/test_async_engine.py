@@ -57,8 +57,8 @@ def test_delta_outputs_concatenate(engine):
     deltas, final = run(main())
     assert len(final) == 1
     assert "".join(d.outputs[0].text for d in deltas if d.outputs) == final[0].outputs[0].text
-    assert sum((d.outputs[0].token_ids for d in deltas if d.outputs), []) == \
-        final[0].outputs[0].token_ids
+    streamed = [t for d in deltas if d.outputs for t in d.outputs[0].token_ids]
+    assert streamed == final[0].outputs[0].token_ids
 
 
 def test_bad_input_raises_in_the_caller_and_queues_nothing(engine):

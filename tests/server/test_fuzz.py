@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis import checks  # noqa: E402
+from hypothesis import HealthCheck, settings
+from schemathesis import checks
 
-from tests.server.conftest import running  # noqa: E402
+from tests.server.conftest import running
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_no_route_answers_5xx_or_breaks_its_schema(case, fuzz_url):
 def test_the_server_is_healthy_after_fuzzing(fuzz_url):
     import httpx
 
-    url, app = fuzz_url
+    url, _ = fuzz_url
     assert httpx.get(f"{url}/health").status_code == 200
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
