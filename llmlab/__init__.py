@@ -7,6 +7,7 @@ Public API (everything else may change)::
 """
 
 from llmlab.config import EngineConfig
+from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import StepEvent
@@ -24,13 +25,16 @@ from llmlab.sampling.params import (
 )
 from llmlab.scheduler.policy import Policy
 
-# vLLM's name for the engine class.
+# vLLM's names for the engine classes.
 LLMEngine = Engine
+AsyncLLMEngine = AsyncEngine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
+    "AsyncLLMEngine",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",

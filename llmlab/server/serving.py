@@ -225,7 +225,7 @@ class OpenAIServing:
             )[0]
         except (ValueError, TypeError) as err:
             raise bad_request(err, _fields(request)) from err
-        except Exception as err:
+        except Exception as err:  # a Jinja error in a user's template: theirs to fix
             raise APIError(f"the chat template failed to render: {type(err).__name__}: {err}",
                            param="chat_template") from err
         return _Prompt(rendered["prompt"], rendered["prompt_token_ids"])

@@ -1,0 +1,81 @@
+"""Serving overhead: ``llmlab serve`` (HTTP + SSE + AsyncEngine) vs offline ``LLM.generate``.
+
+One process, one model (the built-in tiny Llama unless ``--model``), one workload of random
+prompts. The server runs under uvicorn in a thread on 127.0.0.1; ``llmlab bench serve``'s
+client sends every request at once (or at ``--request-rate``), streaming, and the same
+prompts then go through ``LLM.generate`` on an engine built with the same settings. Both
+generate exactly ``--output-len`` tokens per request (``ignore_eos``), greedy.
+
+Prints the bench table and ``server/offline`` output-token throughput: 1.0 would mean HTTP,
+JSON, SSE and the async hand-off cost nothing. Run:
+
+    python benchmarks/serve.py --num-prompts 200 --input-len 128 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args()
+
+    import uvicorn
+
+    from llmlab import LLM, SamplingParams
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.models.tiny import ensure_builtin_model
+    from llmlab.server.app import build_app
+    from llmlab.server.bench import BenchConfig, benchmark, format_report, sample_requests
+
+    model = args.model or str(ensure_builtin_model())
+    settings = {"max_num_seqs": args.max_num_seqs, "seed": 0}
+    engine = AsyncEngine.from_settings(model, **settings)
+    app = build_app(engine, served_model_names=["bench"])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    config = BenchConfig(
+        base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", num_prompts=args.num_prompts,
+        random_input_len=args.input_len, random_output_len=args.output_len,
+        request_rate=args.request_rate, ignore_eos=True, disable_tqdm=True, seed=0,
+    )
+    requests = sample_requests(config)
+    # warm-up: first calls allocate and compile nothing twice in the timed run
+    asyncio.run(benchmark(config, requests[:4]))
+    result = asyncio.run(benchmark(config, requests))
+    server.should_exit = True
+    thread.join(30)
+    print(format_report(result))
+
+    llm = LLM(model, **settings)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    prompts = [r.prompt for r in requests]
+    llm.generate(prompts[:4], params, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    offline_s = time.perf_counter() - start
+    offline_tps = sum(len(o.outputs[0].token_ids) for o in outs) / offline_s
+    server_tps = result["output_throughput"]
+    print(f"offline LLM.generate: {offline_s:.2f} s, {offline_tps:.1f} output tok/s")
+    print(f"server (HTTP, streaming): {result['duration']:.2f} s, {server_tps:.1f} output tok/s")
+    print(f"ratio server/offline output throughput: {server_tps / offline_tps:.2f}")
+
+
+if __name__ == "__main__":
+    main()
