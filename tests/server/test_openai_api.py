@@ -225,3 +225,16 @@ def test_tokenize_detokenize_version_health(served, reference):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
             "/detokenize", "/health", "/version", "/metrics"} <= set(schema["paths"])
     assert "422" not in schema["paths"]["/v1/completions"]["post"]["responses"]
+
+
+def test_request_chat_template_and_kwargs(client, reference):
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}]{% endfor %}{{ tail }}"
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    want = reference.chat(MESSAGES, params, use_tqdm=False, chat_template=template,
+                          chat_template_kwargs={"tail": ">>"})[0]
+    got = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, **GREEDY,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"tail": ">>"}})
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert want.prompt.endswith("]>>")
