@@ -67,16 +67,20 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False  # the engine will send nothing more
+        self._ended = False  # the reader has seen the end marker
         self.aborted = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
+        # ``finished`` is set by the loop thread before its last items arrive here, so the
+        # end is known only from the end marker itself.
+        if self._ended:
             raise StopAsyncIteration
         item = await self._queue.get()
         if item is _END:
+            self._ended = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
@@ -301,8 +305,8 @@ class AsyncEngine:
                 logger.exception("aborting %d request(s) raised", len(aborts))
             self._step_again = True  # the step after an abort reports it (and frees blocks)
         for prepared, stream in inbox:
-            if stream.aborted:
-                continue  # aborted before it reached the engine
+            if stream.finished:
+                continue  # aborted or failed before it reached the engine
             try:
                 self.engine.add_prepared_request(prepared)
             except Exception as err:  # noqa: BLE001 - it goes to that request's caller
