@@ -68,7 +68,6 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False  # the engine will send nothing more
         self._ended = False  # the reader has seen the end marker
-        self.aborted = False
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -257,7 +256,6 @@ class AsyncEngine:
             self._aborts.add(request_id)
             self._cond.notify()
         if stream is not None:
-            stream.aborted = True
             self._end([stream], None)
 
     @property
@@ -387,12 +385,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # that event loop is closed: nobody is reading these streams
             ids = [s.request_id for s, _ in items if not s.finished]
-            if ids:
-                self.abort_nowait_many(ids)
-
-    def abort_nowait_many(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.abort_nowait(request_id)
+            for request_id in ids:
+                self.abort_nowait(request_id)
 
     def _dead_reason(self) -> str:
         if self._dead is not None:

@@ -269,6 +269,9 @@ class OpenAIServing:
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > 0:
             num_prompt = min(num_prompt, request.truncate_prompt_tokens)
         room = self.max_model_len - num_prompt
+        # the field the limit came from, for the error (chat has two names for it)
+        name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
+            is not None else "max_tokens"
         if max_tokens is None:
             if room < 1:
                 raise APIError(
@@ -277,12 +280,8 @@ class OpenAIServing:
                     "tokens", param="messages" if "messages" in fields else "prompt")
             max_tokens = room
         elif max_tokens < 1:
-            name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
-                is not None else "max_tokens"
             raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
         elif num_prompt + max_tokens > self.max_model_len:
-            name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
-                is not None else "max_tokens"
             raise APIError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt and "
