@@ -28,6 +28,29 @@ from llmlab.attention.backend import AttentionInputs, token_slots
 from llmlab.attention.decode_mirror import DecodeMirror, MirrorPlan, additive_mask
 
 
+def paged_kv_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    """One layer's KV tensor: keys and values, each a paged store of rows per KV head."""
+    return (2, num_kv_heads, num_blocks * block_size, head_dim)
+
+
+def copy_kv_blocks(
+    kv_caches: list[torch.Tensor], copies: list[tuple[int, int]], block_size: int
+) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer (keys and values) of the
+    :func:`paged_kv_shape` layout."""
+    if not copies:
+        return
+    offsets = torch.arange(block_size)
+    src = torch.tensor([s for s, _ in copies])[:, None] * block_size + offsets
+    dst = torch.tensor([d for _, d in copies])[:, None] * block_size + offsets
+    for cache in kv_caches:
+        src_slots = src.reshape(-1).to(cache.device)
+        dst_slots = dst.reshape(-1).to(cache.device)
+        cache.index_copy_(2, dst_slots, cache.index_select(2, src_slots))
+
+
 @attrs.frozen
 class _Group:
     is_decode: bool
@@ -158,7 +181,7 @@ class TorchPagedAttention:
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
-        return (2, num_kv_heads, num_blocks * block_size, head_dim)
+        return paged_kv_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def create_state(
         self, *, num_rows: int, num_slots: int, device: torch.device
@@ -172,15 +195,7 @@ class TorchPagedAttention:
         self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]], block_size: int
     ) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (keys and values)."""
-        if not copies:
-            return
-        offsets = torch.arange(block_size)
-        src = torch.tensor([s for s, _ in copies])[:, None] * block_size + offsets
-        dst = torch.tensor([d for _, d in copies])[:, None] * block_size + offsets
-        for cache in kv_caches:
-            src_slots = src.reshape(-1).to(cache.device)
-            dst_slots = dst.reshape(-1).to(cache.device)
-            cache.index_copy_(2, dst_slots, cache.index_select(2, src_slots))
+        copy_kv_blocks(kv_caches, copies, block_size)
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         query_start = [0]
