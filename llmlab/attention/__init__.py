@@ -1,4 +1,8 @@
-"""Attention backends: the interface, and the plain-torch paged reference."""
+"""Attention backends: the interface, the plain-torch paged reference, the Triton kernels.
+
+``attention_backend="auto"`` (the default) picks :class:`TritonPagedAttention` on CUDA when
+triton imports, and :class:`TorchPagedAttention` otherwise (:func:`auto_backend`).
+"""
 
 from llmlab.attention.backend import (
     AttentionBackend,
@@ -8,9 +12,16 @@ from llmlab.attention.backend import (
     token_slots,
 )
 from llmlab.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
+from llmlab.attention.triton_backend import (
+    TritonAttentionMetadata,
+    TritonPagedAttention,
+    auto_backend,
+    triton_unavailable_reason,
+)
 from llmlab.registry import register, table
 
 register("attention_backend", "torch")(TorchPagedAttention)
+register("attention_backend", "triton")(TritonPagedAttention)
 ATTENTION_BACKENDS = table("attention_backend")
 """Registered attention backends by name (live: includes the ones users register)."""
 
@@ -21,6 +32,10 @@ __all__ = [
     "AttentionInputs",
     "TorchAttentionMetadata",
     "TorchPagedAttention",
+    "TritonAttentionMetadata",
+    "TritonPagedAttention",
+    "auto_backend",
     "block_table_tensor",
     "token_slots",
+    "triton_unavailable_reason",
 ]

@@ -5,10 +5,11 @@
               .with_eviction_policy(LFUEviction())
               .build())
 
-Every component left unset gets its built-in default (FCFS, LRU, torch attention, the
-default sampler), so swapping one piece still yields the whole engine. Components may also
-be given by registered name (``"fcfs"``, ``"priority"``, ``"fair"``, ``"lru"``, ``"s3fifo"``,
-``"torch"``, ...; see :mod:`llmlab.registry` and ``llmlab components``) or import path
+Every component left unset gets its built-in default (FCFS, LRU, the ``"auto"`` attention
+backend: Triton kernels on CUDA, the torch reference elsewhere; the default sampler), so
+swapping one piece still yields the whole engine. Components may also be given by
+registered name (``"fcfs"``, ``"priority"``, ``"fair"``, ``"lru"``, ``"s3fifo"``,
+``"torch"``, ``"triton"``, ...; see :mod:`llmlab.registry` and ``llmlab components``) or import path
 (``"package.module:Class"``), which is how the command line picks them. A component missing
 a required method is rejected here, naming the method, before any weights load.
 """
@@ -25,7 +26,7 @@ import torch
 
 from llmlab import registry
 from llmlab.attention.backend import AttentionBackend
-from llmlab.attention.torch_backend import TorchPagedAttention
+from llmlab.attention.triton_backend import auto_backend
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
@@ -86,9 +87,17 @@ class EngineBuilder:
         cfg = self.config
         policy = _component("scheduling_policy", self.scheduling_policy)
         eviction = _component("eviction_policy", self.eviction_policy)
-        attention = _component("attention_backend", self.attention_backend)
+        auto_attention = self.attention_backend in (None, "auto")
+        attention = None
+        if not auto_attention:
+            attention = _component("attention_backend", self.attention_backend)
         as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
+        if auto_attention:
+            attention = auto_backend(device)
+        check = getattr(attention, "check_device", None)
+        if check is not None:  # e.g. triton asked for where it cannot run: fail before loading
+            check(device)
         model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
         from transformers import AutoConfig
 
@@ -123,7 +132,6 @@ class EngineBuilder:
                 use_fast=cfg.tokenizer_mode != "slow",
                 cache_dir=cfg.download_dir,
             )
-        attention = attention or TorchPagedAttention()
         layout = model.kv_layout
         sampler = self.sampler or Sampler()
         if getattr(sampler, "tokenizer", False) is None:

@@ -37,7 +37,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     names = "a registered name (see `llmlab components`) or package.module:Class"
     parser.add_argument("--scheduling-policy", default="fcfs", help=f"{names}; default fcfs")
     parser.add_argument("--eviction-policy", default="lru", help=f"{names}; default lru")
-    parser.add_argument("--attention-backend", default="torch", help=f"{names}; default torch")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        help=f"{names}; default auto (triton on CUDA, torch elsewhere)",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
