@@ -83,8 +83,9 @@ class EngineConfig:
         tokenizer_revision: hub revision of the tokenizer; defaults to ``revision``.
         tokenizer_mode: ``"auto"`` (the fast tokenizer when there is one) or ``"slow"``
             (the Python one). vLLM's ``"mistral"`` and ``"custom"`` modes are refused.
-        dtype: ``"auto"`` (the checkpoint's dtype, float32 if unset), or a dtype name
-            (``"float16"``, ``"bfloat16"``, ...) or ``torch.dtype``.
+        dtype: ``"auto"`` (the checkpoint's dtype; a float32 or unset one runs in float32
+            on CPU and bfloat16 on CUDA), or a dtype name (``"float16"``, ``"bfloat16"``,
+            ...) or ``torch.dtype``.
         seed: seeds the engine's generator for requests without their own seed; ``None``
             (vLLM's default) means not reproducible: the engine draws a random seed, which
             it keeps in its own copy of the config.
@@ -107,11 +108,12 @@ class EngineConfig:
         skip_tokenizer_init: run on token ids only (no text in or out).
         download_dir: where hub downloads go; ``None`` is the Hugging Face cache.
         max_logprobs: most logprobs a request may ask for; -1 means no limit.
+        enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
+            (captured per padded batch size on first use, with the Triton backend).
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
             built-in architectures only, whatever this says.
-        enforce_eager: llmlab captures no CUDA graphs yet, so it runs eagerly either way.
         disable_log_stats: llmlab logs no periodic stats; per-step numbers are in the
             engine's ``StepEvent``s.
         swap_space: GiB of CPU memory per GPU for swapped-out KV blocks. Unused: llmlab

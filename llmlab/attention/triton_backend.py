@@ -154,6 +154,37 @@ class TritonPagedAttention:
             device=device,
         )
 
+    def decode_graph_metadata(
+        self,
+        *,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        block_size: int,
+        max_context: int,
+    ) -> TritonAttentionMetadata:
+        """Metadata over caller-owned static tensors for a batch of decodes, one per row,
+        to be captured in a CUDA graph and replayed with new contents.
+
+        Rows past the real batch are padding: slot -1 (nothing written) and context 0
+        (nothing read; the output row is 0). The split count is fixed at capture, sized
+        for ``max_context``; the kernel divides each row's actual context evenly anyway.
+        """
+        rows = int(seq_lens.shape[0])
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start=query_start,
+            block_size=block_size,
+            query_lens=np.ones(rows, dtype=np.int64),
+            seq_lens_host=np.full(rows, max_context, dtype=np.int64),
+            decode_seqs=np.arange(rows),
+            prefill_seqs=np.arange(0),
+            device=seq_lens.device,
+        )
+
     def num_splits(self, programs: int, max_ctx: int, device: torch.device) -> int:
         """Pieces per decode context: enough to fill the device, each long enough to pay."""
         if max_ctx < self.min_split_context or programs <= 0:

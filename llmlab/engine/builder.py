@@ -27,6 +27,7 @@ import torch
 from llmlab import registry
 from llmlab.attention.backend import AttentionBackend
 from llmlab.attention.triton_backend import auto_backend
+from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
@@ -115,7 +116,7 @@ class EngineBuilder:
             # vLLM's seed=None: not reproducible, so draw one (and keep it in the config,
             # where a user can read it back to replay the run).
             cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
-        dtype = resolve_dtype(cfg.dtype, hf_config)
+        dtype = resolve_dtype(cfg.dtype, hf_config, device)
         if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"enable_chunked_prefill=False needs max_num_batched_tokens "
@@ -182,10 +183,21 @@ class EngineBuilder:
             policy=policy or FCFS(),
             chunked_prefill=cfg.enable_chunked_prefill is not False,
         )
+        runner = runner_for(kv_caches, num_blocks)
+        if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
+            runner.decode_graphs = DecodeGraphs(
+                model=model,
+                backend=attention,
+                kv_caches=kv_caches,
+                device=device,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=cfg.block_size,
+            )
         return Engine(
             config=cfg,
             scheduler=scheduler,
-            executor=runner_for(kv_caches, num_blocks),
+            executor=runner,
             tokenizer=tokenizer,
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,

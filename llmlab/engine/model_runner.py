@@ -39,6 +39,8 @@ class ModelRunner:
 
     Attributes:
         attention_state: the backend's per-engine state (``create_state``), or None.
+        decode_graphs: replays pure decode steps through CUDA graphs
+            (:class:`~llmlab.engine.cuda_graphs.DecodeGraphs`), or None (eager).
     """
 
     model: torch.nn.Module
@@ -51,6 +53,8 @@ class ModelRunner:
     num_kv_blocks: int
     max_num_seqs: int
     attention_state: Any = attrs.field(init=False, default=None)
+    # Set by the builder on CUDA unless enforce_eager (llmlab.engine.cuda_graphs).
+    decode_graphs: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         create = getattr(self.attention, "create_state", None)
@@ -86,7 +90,11 @@ class ModelRunner:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
-        hidden = self.run_model(batch, self.kv_caches, self.attention_state)
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch)  # None: not a batch a graph serves
+        if hidden is None:
+            hidden = self.run_model(batch, self.kv_caches, self.attention_state)
 
         # Rows of ``hidden`` to sample from: each scoring entry's last position, once for
         # the request and once more for each parallel sample it forks into.

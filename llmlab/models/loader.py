@@ -90,8 +90,13 @@ def resolve_model_path(
     return path
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: object) -> torch.dtype:
-    """The compute dtype: ``auto`` follows the checkpoint's config, else float32."""
+def resolve_dtype(
+    dtype: str | torch.dtype, hf_config: object, device: torch.device | None = None
+) -> torch.dtype:
+    """The compute dtype: ``auto`` keeps a 16-bit checkpoint's dtype; a float32 (or
+    unspecified) checkpoint runs in float32 on CPU and in bfloat16 on CUDA (float16 where
+    the GPU has no bfloat16), as vLLM does: GPU inference is memory-bound and 16-bit
+    weights and KV halve the bytes. Ask for ``dtype="float32"`` to keep full precision."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPE_NAMES.values():
             raise ValueError(
@@ -109,7 +114,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: object) -> torch.dtype:
         # A missing or exotic (float64, int8) config dtype means "whatever it was saved
         # in", not a request; float32 is the safe reading.
         if config_dtype not in _AUTO_DTYPES:
-            return torch.float32
+            config_dtype = torch.float32
+        if config_dtype == torch.float32 and device is not None and device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return config_dtype
     resolved = _DTYPE_NAMES.get(name)
     if resolved is None:
@@ -202,8 +209,8 @@ def load_model(
     torch dtype or any name :func:`resolve_dtype` accepts) on ``device``.
     """
     cls = get_model_class(config_value(hf_config, "architectures"))
-    dtype = resolve_dtype(dtype, hf_config)
     device = torch.device(device)
+    dtype = resolve_dtype(dtype, hf_config, device)
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(hf_config)
     model = model.to_empty(device=device)
