@@ -20,6 +20,7 @@ times slower than the torch backend, so it must be asked for with ``TRITON_INTER
 from __future__ import annotations
 
 import math
+
 import attrs
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on ``device`` (None when it can)."""
     try:
         import triton  # noqa: F401
-    except Exception as err:  # ImportError, or a broken install raising anything
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken install raising anything
         return f"triton cannot be imported ({type(err).__name__}: {err})"
     from llmlab.attention.triton_kernels import interpreting
 

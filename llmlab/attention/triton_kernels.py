@@ -364,7 +364,7 @@ def paged_attention(
     when ``q`` is float32, or when interpreting); otherwise 16-bit inputs go to the
     tensor cores with float32 accumulation.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
     num_programs = int(prog_seq.shape[0])

@@ -27,11 +27,11 @@ import torch
 from llmlab import registry
 from llmlab.attention.backend import AttentionBackend
 from llmlab.attention.triton_backend import auto_backend
-from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
 from llmlab.config import EngineConfig
+from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.models.loader import (

@@ -120,7 +120,7 @@ class DecodeGraphs:
         if captured is None:
             try:
                 captured = self._capture(size)
-            except Exception as err:  # a capture failure costs speed, never the step
+            except Exception as err:  # noqa: BLE001 - a failed capture costs speed, never the step
                 self.disabled = f"{type(err).__name__}: {err}"
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
