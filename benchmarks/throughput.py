@@ -39,16 +39,54 @@ per output token, causal attention score and value matmuls) divided by the best 
 ``torch.mm`` rate measured in this run on the workload's own shapes. No float32 torch engine
 can run faster than that floor; 100% of it would mean zero overhead.
 
+``--device cuda``: the defaults switch to the GPU workload (a Qwen3-0.6B-shaped
+random-weight model in bfloat16, 256 requests with prompt and output lengths U[100, 1024],
+8192-token steps, HF static batches of 64, modes ``llmlab,hf``, warmup on). llmlab's KV
+cache is what ``--gpu-memory-utilization`` leaves (printed beside what the workload needs
+at once). Instead of the compute floor it reports:
+
+* Roofline, per step, from the ``StepEvent``s of llmlab's timed run
+  (``benchmarks.common.step_work`` and ``roofline``). Each step reads at least every
+  weight once (counted from the checkpoint; a tied embedding once, as the lm_head reads
+  it; a step that samples nothing is charged the lm_head too, which is negligible) plus
+  the K/V of every scheduled request's context after the step, and does at least its
+  matmul FLOPs (``2 * weights * tokens`` through the layers, the lm_head for each sampled
+  row, causal attention over the context). Its floor is ``max(bytes / copy bandwidth,
+  FLOPs / matmul rate)``, both rates measured in this run: a 1 GiB device-to-device copy
+  (``2 * bytes / time``) and the best bf16 ``torch.mm`` over a few shapes. The roofline
+  is the sum of the step floors; llmlab's fraction is roofline time / llmlab's measured
+  time. Each request's context is tracked through the events (an admission starts it at
+  its prefix-cache hit, a preemption drops it, each step adds its new tokens).
+* Decode step time split into GPU and host time, from a short second llmlab pass after
+  the timed run (not part of the throughput): ``--decode-batch`` requests (the workload's
+  first prompts) are stepped until a step decodes all of them, then ``--decode-steps``
+  steps are timed by wall clock and as many more run under ``torch.profiler`` with CUDA
+  activity. GPU time per step is the union of the kernel, memcpy and memset intervals in
+  that trace over the number of steps: the time the device was busy. Host time is the
+  unprofiled wall time minus that: the time per step the GPU sat idle waiting for the
+  host (host work that overlaps running kernels is hidden and not counted). CUDA events
+  around a step cannot give this (a step ends in a synchronisation, so they measure wall
+  time), and the profiler adds host overhead per launch, which is why the wall time comes
+  from the unprofiled steps. The timed run's own pure-decode steps (mean wall and model
+  runner time) are printed beside it.
+* Warmup on CUDA: llmlab first runs a sweep whose prompts are drawn like the workload's
+  but from another seed (so the timed run gets no prefix-cache hits from it), with
+  staggered output lengths so that the running batch passes through every size from the
+  full batch down to 1: Triton kernels are compiled and CUDA graphs (captured lazily, per
+  padded batch size) exist before the clock starts. HF modes warm up on a few short
+  requests, as on CPU.
+
 Run::
 
     python -m benchmarks.throughput --warmup
     python -m benchmarks.throughput --only hf,hf-cb --num-requests 8
+    python -m benchmarks.throughput --device cuda --json cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import gc
 import json
 import os
 import pathlib
@@ -61,41 +99,124 @@ import torch
 
 from benchmarks.common import (
     ModelShape,
+    StepCostModel,
     Workload,
     build_benchmark_model,
+    checkpoint_numel,
     count_workload_flops,
+    cuda_matmul_shapes,
+    device_busy_us,
     make_workload,
+    measure_cuda_copy_bytes_per_s,
+    measure_cuda_matmul_flops_per_s,
     measure_matmul_flops_per_s,
     representative_matmul_shapes,
+    roofline,
+    step_work,
+    weight_elements_read,
 )
 
 MODES = ("llmlab", "hf", "hf-cb")
 HF_CB_PAGE_SIZE = 256  # transformers' default page size for continuous batching
 WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS = 4, 8
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+# Defaults that depend on --device. CPU: the workload BENCHMARKS.md's CPU numbers come from.
+# CUDA: the GPU workload (Qwen3-0.6B shape, 256 requests, U[100, 1024] in and out). HF's
+# continuous batching is left out of the CUDA default (add it with --only): the whole
+# default run then takes several minutes less.
+DEVICE_DEFAULTS = {
+    "cpu": {
+        "num_requests": 64,
+        "prompt_len_range": (16, 256),
+        "output_len_range": (16, 128),
+        "max_num_batched_tokens": 2048,
+        "only": ",".join(MODES),
+        "warmup": False,
+    },
+    "cuda": {
+        "num_requests": 256,
+        "prompt_len_range": (100, 1024),
+        "output_len_range": (100, 1024),
+        "max_num_batched_tokens": 8192,
+        "only": "llmlab,hf",
+        "warmup": True,
+    },
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--device",
+        choices=tuple(DEVICE_DEFAULTS),
+        default="cpu",
+        help="cpu: the small Llama in float32 (default); cuda: the Qwen3-0.6B-shaped "
+        "workload in bfloat16, with the roofline and the decode GPU/host split",
+    )
+    parser.add_argument("--num-requests", type=int, help="default: 64 on cpu, 256 on cuda")
+    parser.add_argument(
+        "--prompt-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+        help="inclusive; default: 16 256 on cpu, 100 1024 on cuda",
+    )
+    parser.add_argument(
+        "--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+        help="inclusive; default: 16 128 on cpu, 100 1024 on cuda",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    parser.add_argument(
+        "--only", help=f"subset of {','.join(MODES)}; default: all on cpu, llmlab,hf on cuda"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
-        "--warmup", action="store_true", help="untimed short run of each mode first"
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        help="untimed short run of each mode first (default: off on cpu, on on cuda)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
     parser.add_argument("--model-dir", type=pathlib.Path, help="reuse/write the model here")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="default: 2048 on cpu, 8192 on cuda"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--hf-cb-api", choices=("manager", "generate_batch"), default="manager")
+    parser.add_argument(
+        "--attention-backend", help="llmlab's attention backend (default: its own 'auto')"
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="llmlab: no CUDA graphs for decode steps"
+    )
+    cuda = parser.add_argument_group("cuda only")
+    cuda.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    cuda.add_argument(
+        "--decode-batch", type=int, default=256,
+        help="running requests for the decode GPU/host split (capped by the workload and "
+        "--max-num-seqs); 0 skips it",
+    )
+    cuda.add_argument(
+        "--decode-steps", type=int, default=32,
+        help="decode steps timed, and as many profiled, for the GPU/host split",
+    )
     args = parser.parse_args(argv)
+    apply_device_defaults(args)
     args.modes = [m.strip() for m in args.only.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown:
         parser.error(f"--only: unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
     return args
+
+
+def apply_device_defaults(args: argparse.Namespace) -> None:
+    """Fill every option left unset with its default for ``args.device``."""
+    for name, value in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.prompt_len_range = tuple(args.prompt_len_range)
+    args.output_len_range = tuple(args.output_len_range)
 
 
 @attrs.frozen
@@ -124,16 +245,65 @@ def kv_tokens_needed(workload: Workload, page_size: int) -> int:
     return pages * page_size
 
 
+def warmup_workload(
+    mode: str, workload: Workload, args: argparse.Namespace, vocab_size: int
+) -> Workload:
+    """What ``--warmup`` runs before timing ``mode`` (see the module docstring)."""
+    if args.device == "cuda" and mode == "llmlab":
+        return decode_sweep_workload(
+            min(workload.num_requests, args.max_num_seqs),
+            args.seed + 1,
+            vocab_size,
+            args.prompt_len_range,
+        )
+    return workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS)
+
+
+def decode_sweep_workload(
+    num_requests: int, seed: int, vocab_size: int, prompt_len_range: tuple[int, int]
+) -> Workload:
+    """Random prompts, output lengths ``8 + (n - 1 - i)``: the first admitted run longest,
+    so once the prefills are done about one request finishes per step and the decode batch
+    sweeps every size from ``n`` down to 1."""
+    n = num_requests
+    prompts = make_workload(n, seed, vocab_size, prompt_len_range).prompts
+    return Workload(prompts=prompts, output_lens=[8 + (n - 1 - i) for i in range(n)])
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------------- llmlab
 
 
 def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Namespace):
     from llmlab import LLM
 
+    extra = {}
+    if args.attention_backend is not None:
+        extra["attention_backend"] = args.attention_backend
+    if args.enforce_eager:
+        extra["enforce_eager"] = True
+    if args.device == "cuda":
+        # KV cache: what gpu_memory_utilization leaves after weights and activations.
+        return LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            seed=0,
+            device="cuda",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            skip_tokenizer_init=True,
+            **extra,
+        )
     hf_config = _hf_config(model_dir)
     shape = ModelShape.from_hf_config(hf_config)
     float32_bytes = 4
-    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * float32_bytes
+    kv_bytes_per_token = shape.kv_bytes_per_token(float32_bytes)
     # llmlab insists that one max-length sequence fits, even when no request is that long.
     kv_tokens = max(kv_tokens_needed(workload, args.block_size), hf_config.max_position_embeddings)
     return LLM(
@@ -146,6 +316,7 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token,
         skip_tokenizer_init=True,
+        **extra,
     )
 
 
@@ -166,6 +337,141 @@ def run_llmlab(llm, workload: Workload) -> RunResult:
     )
 
 
+@attrs.define
+class LlmlabRunner:
+    """``run_llmlab`` on one engine; with ``record_steps``, keeps the last run's StepEvents."""
+
+    llm: object
+    record_steps: bool = False
+    events: list = attrs.field(factory=list)
+
+    def __call__(self, workload: Workload) -> RunResult:
+        self.events = []
+        if not self.record_steps:
+            return run_llmlab(self.llm, workload)
+        engine = self.llm.llm_engine
+        observer = engine.subscribe(self.events.append)
+        try:
+            return run_llmlab(self.llm, workload)
+        finally:
+            engine.unsubscribe(observer)
+
+
+def measure_decode_split(
+    llm,
+    prompts: list[list[int]],
+    num_steps: int,
+    profile: bool = True,
+    max_settle_steps: int | None = None,
+) -> dict:
+    """Mean wall, GPU and host time of a pure-decode step with ``len(prompts)`` running.
+
+    Queues one request per prompt (greedy, EOS ignored, enough output tokens to outlast the
+    measurement), steps the engine until a step decodes every one of them at once, then
+    times ``num_steps`` steps by wall clock and, with ``profile``, runs ``num_steps`` more
+    under ``torch.profiler`` (CUDA activity) and takes the device's busy time from its
+    trace (``device_busy_us``). The requests are aborted at the end. Raises if any measured
+    step is not a pure decode of the whole batch (e.g. preemption: too small a KV cache).
+    """
+    from llmlab.sampling.params import RequestOutputKind, SamplingParams
+
+    engine = llm.llm_engine
+    batch = len(prompts)
+    budget = engine.config.max_num_batched_tokens
+    if max_settle_steps is None:
+        max_settle_steps = -(-sum(len(p) for p in prompts) // budget) + 8
+    max_tokens = max_settle_steps + 2 * num_steps + 4
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    ids = [f"decode-split-{i}" for i in range(batch)]
+    events = []
+
+    def full_decode(event) -> bool:
+        return len(event.scheduled) == batch and all(n == 1 for _, n in event.scheduled)
+
+    def timed_steps(count: int) -> list[float]:
+        walls = []
+        for _ in range(count):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        return walls
+
+    observer = engine.subscribe(events.append)
+    try:
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        for _ in range(max_settle_steps):
+            engine.step()
+            if events and full_decode(events[-1]):
+                break
+        else:
+            raise RuntimeError(
+                f"no step decoded all {batch} requests within {max_settle_steps} steps"
+            )
+        contexts = sorted(len(p) for p in prompts)
+        first_event = len(events)
+        walls = timed_steps(num_steps)
+        result = {
+            "batch": batch,
+            "num_steps": num_steps,
+            "prompt_len_min": contexts[0],
+            "prompt_len_max": contexts[-1],
+            "wall_ms": 1e3 * sum(walls) / num_steps,
+            "engine_wall_ms": 1e3 * sum(e.wall_time_s for e in events[first_event:]) / num_steps,
+            "model_ms": 1e3 * sum(e.model_time_s for e in events[first_event:]) / num_steps,
+            "gpu_ms": None,
+            "host_ms": None,
+            "profiled_wall_ms": None,
+            "num_device_activities": None,
+        }
+        if profile:
+            busy_us, activities, profiled = _profile_steps(engine, num_steps)
+            result.update(
+                gpu_ms=busy_us / 1e3 / num_steps,
+                host_ms=result["wall_ms"] - busy_us / 1e3 / num_steps,
+                profiled_wall_ms=1e3 * profiled / num_steps,
+                num_device_activities=activities,
+            )
+        measured = events[first_event:]
+        if len(measured) != num_steps * (2 if profile else 1) or not all(map(full_decode, measured)):
+            raise RuntimeError(
+                f"a measured step was not a pure decode of all {batch} requests: "
+                f"{[len(e.scheduled) for e in measured]} scheduled per step"
+            )
+        return result
+    finally:
+        engine.unsubscribe(observer)
+        engine.abort_request(ids)
+
+
+def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
+    """Run ``num_steps`` engine steps under the torch profiler; (device busy µs, device
+    activities, wall seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="llmlab-trace-") as tmp:
+        path = pathlib.Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    busy_us, activities = device_busy_us(events)
+    if activities == 0:
+        raise RuntimeError("the profiler trace has no kernel, memcpy or memset events")
+    return busy_us, activities, wall_s
+
+
 # ---------------------------------------------------------------------------- HF static
 
 
@@ -184,12 +490,15 @@ def run_hf_static(model, workload: Workload, batch_size: int) -> RunResult:
         )
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+                input_ids=input_ids.to(model.device),
+                attention_mask=attention_mask.to(model.device),
+                generation_config=config,
             )
         new_tokens = out.shape[1] - input_ids.shape[1]
         if new_tokens != max_new:
             raise RuntimeError(f"HF generate made {new_tokens} tokens per row, expected {max_new}")
         generated += new_tokens * len(prompts)
+    _synchronize(model.device.type)
     wall_s = time.perf_counter() - start
     return RunResult(
         "hf",
@@ -235,13 +544,14 @@ def run_hf_continuous(model, workload: Workload, args: argparse.Namespace) -> Ru
     if args.hf_cb_api == "generate_batch":
         return _run_hf_generate_batch(model, workload, args)
     generation, batching = hf_cb_configs(workload, args)
-    # warmup=False: on CPU it would only build a batch processor that the generation thread
-    # then builds again; we wait for the thread's own instead.
+    # warmup=False on CPU: it would only build a batch processor that the generation thread
+    # then builds again; we wait for the thread's own instead. On CUDA its warmup captures
+    # CUDA graphs before the clock starts, as transformers does by default.
     with model.continuous_batching_context_manager(
         generation_config=generation,
         continuous_batching_config=batching,
         block=True,
-        warmup=False,
+        warmup=args.device == "cuda",
     ) as manager:
         _wait_for_batch_processor(manager)  # KV cache and mask buffers: setup, not timed
         start = time.perf_counter()
@@ -337,6 +647,67 @@ def measure_floor(model_dir: pathlib.Path, workload: Workload) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------- roofline (cuda)
+
+
+def measure_device_rates(shape: ModelShape, args: argparse.Namespace) -> dict:
+    """Copy bandwidth and the best bf16 matmul rate of this GPU (before any model loads)."""
+    copy_bytes_per_s = measure_cuda_copy_bytes_per_s("cuda")
+    rates = {
+        f"[{m}x{k}]@[{k}x{n}]": measure_cuda_matmul_flops_per_s("cuda", m, k, n)
+        for m, k, n in cuda_matmul_shapes(shape, args.max_num_batched_tokens)
+    }
+    best_shape = max(rates, key=rates.get)
+    return {
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "matmul_flops_per_s": rates,
+        "rate_shape": best_shape,
+        "best_matmul_flops_per_s": rates[best_shape],
+    }
+
+
+def compute_roofline(
+    events: list, model_dir: pathlib.Path, rates: dict, workload: Workload, dtype: torch.dtype
+) -> dict:
+    """The roofline of llmlab's timed run (see the module docstring), as a JSON-able dict."""
+    shape = ModelShape.from_hf_config(_hf_config(model_dir))
+    weight_elements = weight_elements_read(checkpoint_numel(model_dir))
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    costs = StepCostModel.for_model(shape, weight_elements, dtype_bytes)
+    work = step_work(events)
+    sampled = sum(w.num_sampled for w in work)
+    if sampled != workload.num_output_tokens:
+        raise RuntimeError(
+            f"the StepEvents sampled {sampled} tokens, the workload asked for "
+            f"{workload.num_output_tokens}: the events do not cover the timed run"
+        )
+    line = roofline(work, costs, rates["copy_bytes_per_s"], rates["best_matmul_flops_per_s"])
+    return attrs.asdict(line) | {
+        "weight_elements": weight_elements,
+        "weight_bytes": costs.weight_bytes,
+        "kv_bytes_per_token": costs.kv_bytes_per_token,
+        "output_tokens_per_s": workload.num_output_tokens / line.total_s,
+        "decode_step_wall_ms": _mean_ms([w.wall_s for w in work if w.is_decode]),
+        "decode_step_model_ms": _mean_ms(
+            [e.model_time_s for e in events if _is_decode_event(e)]
+        ),
+        "decode_step_mean_batch": _mean([len(e.scheduled) for e in events if _is_decode_event(e)]),
+    }
+
+
+def _is_decode_event(event) -> bool:
+    return bool(event.scheduled) and all(n == 1 for _, n in event.scheduled)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _mean_ms(values: list[float]) -> float | None:
+    mean = _mean(values)
+    return None if mean is None else 1e3 * mean
+
+
 # ---------------------------------------------------------------------------- driver
 
 
@@ -349,39 +720,83 @@ def _hf_config(model_dir: pathlib.Path):
 def prepare_mode(mode: str, model_dir: pathlib.Path, workload: Workload, args):
     """Build what a mode needs (untimed); return ``run(workload) -> RunResult``."""
     if mode == "llmlab":
-        return functools.partial(run_llmlab, build_llmlab(model_dir, workload, args))
+        llm = build_llmlab(model_dir, workload, args)
+        if args.device == "cuda":
+            kv = llm.llm_engine.kv_cache
+            print(
+                f"KV cache: {kv.num_blocks * args.block_size} tokens; the workload needs "
+                f"{kv_tokens_needed(workload, args.block_size)} at once",
+                flush=True,
+            )
+        return LlmlabRunner(llm, record_steps=args.device == "cuda")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+        model_dir, dtype=DTYPES[args.device], attn_implementation="sdpa"
+    )
+    model = model.to(args.device).eval()
     if mode == "hf":
-        return functools.partial(run_hf_static, model, batch_size=args.hf_batch_size)
-    return functools.partial(run_hf_continuous, model, args=args)
+        return lambda w: run_hf_static(model, w, batch_size=args.hf_batch_size)
+    return lambda w: run_hf_continuous(model, w, args=args)
 
 
-def run_mode(mode: str, model_dir: pathlib.Path, workload: Workload, args) -> RunResult | None:
-    """Prepare the mode, optionally warm it up, then time the workload; None if it fails."""
+def run_mode(
+    mode: str, model_dir: pathlib.Path, workload: Workload, args, report: dict | None = None
+) -> RunResult | None:
+    """Prepare the mode, optionally warm it up, then time the workload; None if it fails.
+
+    On CUDA, llmlab's timed StepEvents and the decode GPU/host split go into ``report``
+    (keys ``llmlab_events`` and ``decode_split``); the mode's model and caches are released
+    before returning, so the next mode has the GPU to itself.
+    """
     print(f"\n== {mode}", flush=True)
+    run = None
     try:
         run = prepare_mode(mode, model_dir, workload, args)
         if args.warmup:
-            warm = run(workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS))
+            vocab_size = _hf_config(model_dir).vocab_size
+            warm = run(warmup_workload(mode, workload, args, vocab_size))
             print(f"warmup: {warm.wall_s:.2f} s", flush=True)
         result = run(workload)
     except Exception:  # noqa: BLE001 -- report it and go on to the other modes
         print(f"{mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return None
-    print(
-        f"wall {result.wall_s:.2f} s | output {result.output_tokens_per_s:.1f} tok/s | "
-        f"total {result.total_tokens_per_s:.1f} tok/s | generated {result.generated_tokens} "
-        f"for {result.useful_output_tokens} useful" + (f" | {result.note}" if result.note else ""),
-        flush=True,
-    )
-    return result
+    else:
+        print(
+            f"wall {result.wall_s:.2f} s | output {result.output_tokens_per_s:.1f} tok/s | "
+            f"total {result.total_tokens_per_s:.1f} tok/s | generated {result.generated_tokens} "
+            f"for {result.useful_output_tokens} useful"
+            + (f" | {result.note}" if result.note else ""),
+            flush=True,
+        )
+        if report is not None and isinstance(run, LlmlabRunner) and args.device == "cuda":
+            report["llmlab_events"] = run.events
+            report["decode_split"] = _decode_split_or_error(run.llm, workload, args)
+        return result
+    finally:
+        del run
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            print(
+                f"GPU memory still allocated after {mode}: "
+                f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB",
+                flush=True,
+            )
 
 
-def print_summary(results: dict[str, RunResult], floor: dict) -> None:
+def _decode_split_or_error(llm, workload: Workload, args) -> dict:
+    batch = min(args.decode_batch, args.max_num_seqs, workload.num_requests)
+    if batch <= 0 or args.decode_steps <= 0:
+        return {"error": "skipped (--decode-batch or --decode-steps is 0)"}
+    try:
+        return measure_decode_split(llm, workload.prompts[:batch], args.decode_steps)
+    except Exception as err:  # noqa: BLE001 -- the throughput results stand without it
+        print(f"decode GPU/host split FAILED:\n{traceback.format_exc()}", flush=True)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def print_results(results: dict[str, RunResult]) -> None:
     print("\n== summary")
     print(f"{'mode':8} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'generated':>10}")
     for mode, r in results.items():
@@ -397,6 +812,13 @@ def print_summary(results: dict[str, RunResult], floor: dict) -> None:
             print(f"llmlab / {other}: {tps['llmlab'] / tps[other]:.2f}x")
         if best_hf:
             print(f"llmlab / best HF ({best_hf}): {tps['llmlab'] / tps[best_hf]:.2f}x")
+
+
+def print_summary(results: dict[str, RunResult], floor: dict) -> None:
+    print_results(results)
+    tps = {mode: r.output_tokens_per_s for mode, r in results.items()}
+    hf_modes = [m for m in ("hf", "hf-cb") if m in tps]
+    best_hf = max(hf_modes, key=tps.get) if hf_modes else None
 
     flops = floor["flops"]
     print("\n== compute floor")
@@ -422,41 +844,153 @@ def print_summary(results: dict[str, RunResult], floor: dict) -> None:
         )
 
 
+def print_cuda_report(
+    results: dict[str, RunResult], rates: dict, line: dict | None, decode: dict | None
+) -> None:
+    print("\n== roofline (per llmlab step, from its StepEvents)")
+    print(
+        f"copy bandwidth: {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s (1 GiB device-to-device, "
+        "2 x bytes / time, best of 10)"
+    )
+    for shape, rate in rates["matmul_flops_per_s"].items():
+        print(f"  torch.mm bf16 {shape}: {rate / 1e12:.1f} TFLOP/s")
+    print(
+        f"matmul rate: best of the above, {rates['rate_shape']} at "
+        f"{rates['best_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s"
+    )
+    if line is None:
+        print("roofline: n/a (it needs llmlab's timed run; see above)")
+    elif "error" in line:
+        print(f"roofline: FAILED: {line['error']}")
+    else:
+        print(
+            f"per step: weights {line['weight_bytes'] / 1e9:.3f} GB "
+            f"({line['weight_elements'] / 1e6:.1f}M params) + KV "
+            f"{line['kv_bytes_per_token']} B per context token; total "
+            f"{line['total_bytes'] / 1e12:.2f} TB and {line['total_flops'] / 1e15:.2f} PFLOP"
+        )
+        print(
+            f"steps: {line['num_steps']} ({line['decode_steps']} pure decode), "
+            f"{line['memory_bound_steps']} memory-bound, "
+            f"{line['num_steps'] - line['memory_bound_steps']} compute-bound"
+        )
+        print(
+            f"roofline time {line['total_s']:.2f} s -> {line['output_tokens_per_s']:.0f} "
+            "output tok/s"
+        )
+        for kind, floor_key, wall_key in (
+            ("pure decode", "decode_floor_s", "decode_wall_s"),
+            ("prefill/mixed", "other_floor_s", "other_wall_s"),
+        ):
+            floor_s, wall_s = line[floor_key], line[wall_key]
+            share = f" ({floor_s / wall_s:.1%})" if wall_s > 0 else ""
+            print(f"  {kind} steps: floor {floor_s:.2f} s, measured {wall_s:.2f} s{share}")
+        if "llmlab" in results:
+            wall_s = results["llmlab"].wall_s
+            print(
+                f"llmlab: {wall_s:.2f} s -> {line['total_s'] / wall_s:.1%} of the roofline "
+                "(roofline time / llmlab time)"
+            )
+
+    print("\n== llmlab decode step time")
+    if line is not None and "error" not in line and line["decode_step_wall_ms"] is not None:
+        print(
+            f"timed run: {line['decode_steps']} pure-decode steps, mean "
+            f"{line['decode_step_wall_ms']:.2f} ms wall, {line['decode_step_model_ms']:.2f} ms "
+            f"in the model runner (mean batch {line['decode_step_mean_batch']:.0f})"
+        )
+    if decode is None:
+        print("GPU/host split: n/a (llmlab did not run)")
+    elif "error" in decode:
+        print(f"GPU/host split: {decode['error']}")
+    else:
+        print(
+            f"separate pass, {decode['batch']} running (prompts {decode['prompt_len_min']}-"
+            f"{decode['prompt_len_max']} tokens), {decode['num_steps']} steps each:"
+        )
+        print(
+            f"  wall {decode['wall_ms']:.2f} ms | GPU busy {decode['gpu_ms']:.2f} ms | "
+            f"host (wall - GPU busy) {decode['host_ms']:.2f} ms per step"
+        )
+        print(
+            f"  (model runner {decode['model_ms']:.2f} ms of the wall; profiled steps took "
+            f"{decode['profiled_wall_ms']:.2f} ms wall, {decode['num_device_activities']} "
+            "device activities)"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    cuda = args.device == "cuda"
+    dtype = DTYPES[args.device]
     with tempfile.TemporaryDirectory(prefix="llmlab-bench-") as tmp:
         model_dir = args.model_dir or pathlib.Path(tmp) / "model"
         if not (model_dir / "config.json").is_file():
-            build_benchmark_model(model_dir, seed=0)
+            build_benchmark_model(model_dir, seed=0, device=args.device)
         shape = ModelShape.from_hf_config(_hf_config(model_dir))
-        workload = make_workload(args.num_requests, args.seed, shape.vocab_size)
-        print(f"model: {shape} float32, random weights (seed 0)")
+        workload = make_workload(
+            args.num_requests,
+            args.seed,
+            shape.vocab_size,
+            args.prompt_len_range,
+            args.output_len_range,
+        )
+        print(f"model: {shape} {str(dtype).removeprefix('torch.')}, random weights (seed 0)")
         print(
             f"workload: {workload.num_requests} requests, {workload.num_prompt_tokens} prompt "
             f"tokens, {workload.num_output_tokens} output tokens (seed {args.seed})"
         )
-        print(
-            f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
-            f"load average {os.getloadavg()[0]:.2f} (other processes skew timings)"
-        )
+        if cuda:
+            print(
+                f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+                f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+            )
+        else:
+            print(
+                f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
+                f"load average {os.getloadavg()[0]:.2f} (other processes skew timings)"
+            )
 
-        floor = measure_floor(model_dir, workload)
+        extras: dict = {}
+        if cuda:
+            rates = measure_device_rates(shape, args)
+            extras["device_rates"] = rates
+        else:
+            extras["floor"] = measure_floor(model_dir, workload)
+        report: dict = {}
         results = {}
         for mode in args.modes:
-            result = run_mode(mode, model_dir, workload, args)
+            result = run_mode(mode, model_dir, workload, args, report)
             if result is not None:
                 results[mode] = result
-        print_summary(results, floor)
+        if cuda:
+            line = None
+            if "llmlab_events" in report:
+                try:
+                    line = compute_roofline(
+                        report["llmlab_events"], model_dir, rates, workload, dtype
+                    )
+                except Exception as err:  # noqa: BLE001 -- print what was measured anyway
+                    print(f"roofline FAILED:\n{traceback.format_exc()}", flush=True)
+                    line = {"error": f"{type(err).__name__}: {err}"}
+            extras["roofline"] = line
+            extras["decode_split"] = report.get("decode_split")
+            print_results(results)
+            print_cuda_report(results, rates, line, extras["decode_split"])
+        else:
+            print_summary(results, extras["floor"])
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
     if args.json:
-        write_json(args.json, args, workload, results, floor)
+        write_json(args.json, args, workload, results, extras)
         print(f"wrote {args.json}")
 
 
-def write_json(path: pathlib.Path, args, workload: Workload, results: dict, floor: dict) -> None:
+def write_json(path: pathlib.Path, args, workload: Workload, results: dict, extras: dict) -> None:
+    """Args, workload, per-mode results, and ``extras``: ``floor`` on CPU; ``device_rates``,
+    ``roofline`` and ``decode_split`` on CUDA."""
     payload = {
         "args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
         "workload": {
@@ -472,7 +1006,7 @@ def write_json(path: pathlib.Path, args, workload: Workload, results: dict, floo
             }
             for mode, r in results.items()
         },
-        "floor": floor,
+        **extras,
     }
     path.write_text(json.dumps(payload, indent=2))
 

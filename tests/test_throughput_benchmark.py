@@ -1,0 +1,378 @@
+"""``benchmarks/throughput.py``: argument defaults per device, the roofline arithmetic over
+``StepEvent``s, the context tracking it rests on, the GPU-trace parsing, and the CUDA
+report's glue, all on CPU (the GPU-only parts are the two rate measurements and the
+profiler, which the last test replaces by stand-ins)."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+
+from benchmarks import throughput
+from benchmarks.common import (
+    ContextTracker,
+    ModelShape,
+    StepCostModel,
+    StepWork,
+    checkpoint_numel,
+    device_busy_us,
+    roofline,
+    step_work,
+    weight_elements_read,
+)
+from llmlab import LLM, EngineConfig, SamplingParams
+from llmlab.cache import KVCacheManager
+from llmlab.engine.engine import Engine
+from llmlab.engine.events import StepEvent
+from llmlab.engine.executor import VirtualClock
+from llmlab.scheduler import FCFS, BatchOutput, Scheduler
+from llmlab.scheduler.batch import Admission
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def test_cpu_defaults_are_the_documented_cpu_workload():
+    args = throughput.parse_args([])
+    assert args.device == "cpu"
+    assert args.num_requests == 64
+    assert args.prompt_len_range == (16, 256) and args.output_len_range == (16, 128)
+    assert args.max_num_batched_tokens == 2048
+    assert args.modes == ["llmlab", "hf", "hf-cb"]
+    assert args.warmup is False
+    assert throughput.parse_args(["--warmup"]).warmup is True
+
+
+def test_cuda_switches_the_defaults(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = throughput.parse_args(["--device", "cuda"])
+    assert args.num_requests == 256
+    assert args.prompt_len_range == (100, 1024) and args.output_len_range == (100, 1024)
+    assert args.max_num_batched_tokens == 8192
+    assert args.max_num_seqs == 256 and args.hf_batch_size == 64
+    assert args.gpu_memory_utilization == 0.85
+    assert args.modes == ["llmlab", "hf"]
+    assert args.warmup is True
+    assert throughput.DTYPES[args.device] == torch.bfloat16
+    # Anything given explicitly wins over the device's default.
+    args = throughput.parse_args(
+        ["--device", "cuda", "--num-requests", "8", "--no-warmup", "--only", "hf-cb",
+         "--prompt-len-range", "5", "9", "--max-num-batched-tokens", "512"]
+    )
+    assert (args.num_requests, args.warmup, args.modes) == (8, False, ["hf-cb"])
+    assert args.prompt_len_range == (5, 9) and args.max_num_batched_tokens == 512
+
+
+def test_cuda_is_refused_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--device", "cuda"])
+
+
+def test_decode_sweep_passes_through_every_batch_size():
+    sweep = throughput.decode_sweep_workload(5, seed=1, vocab_size=100, prompt_len_range=(3, 7))
+    assert sweep.output_lens == [12, 11, 10, 9, 8]
+    assert all(3 <= len(p) <= 7 for p in sweep.prompts)
+    assert all(2 <= t < 100 for p in sweep.prompts for t in p)
+
+
+# ---------------------------------------------------------------------------- step events
+
+
+def event(scheduled, *, admitted=(), preempted=(), finished=(), sampled=None, wall=0.01):
+    """A StepEvent with only what the roofline reads; by default every entry samples."""
+    if sampled is None:
+        sampled = tuple((rid, 1) for rid, _ in scheduled)
+    return StepEvent(
+        step_index=0,
+        scheduled=tuple(scheduled),
+        scheduled_users=(None,) * len(scheduled),
+        scheduled_priorities=(0,) * len(scheduled),
+        num_batched_tokens=sum(n for _, n in scheduled),
+        preempted=tuple(preempted),
+        finished=tuple(finished),
+        aborted=(),
+        blocks_allocated=(),
+        blocks_freed=(),
+        blocks_prefix_hit=(),
+        blocks_evicted=(),
+        blocks_forked=(),
+        num_free_blocks=0,
+        num_total_blocks=0,
+        kv_usage=0.0,
+        num_waiting=0,
+        num_running=len(scheduled),
+        wall_time_s=wall,
+        model_time_s=wall,
+        admitted=tuple(admitted),
+        sampled=tuple(sampled),
+    )
+
+
+def admission(request_id, prompt_len, cached=0, resumed=False):
+    return Admission(request_id, 0.0, prompt_len, prompt_len, cached, resumed)
+
+
+def test_context_tracker_follows_chunks_decodes_prefix_hits_and_preemption():
+    tracker = ContextTracker()
+    # a: 10-token prompt in chunks of 6 + 4; b: 8-token prompt with 4 tokens cached.
+    assert tracker.advance(event([("a", 6)], admitted=[admission("a", 10)], sampled=())) == [
+        ("a", 0, 6)
+    ]
+    assert tracker.advance(event([("a", 4), ("b", 4)], admitted=[admission("b", 8, 4)])) == [
+        ("a", 6, 4),
+        ("b", 4, 4),
+    ]
+    assert tracker.advance(event([("a", 1), ("b", 1)])) == [("a", 10, 1), ("b", 8, 1)]
+    # b is preempted (KV dropped), then resumed with 8 of its 10 tokens still cached.
+    assert tracker.advance(event([("a", 1)], preempted=["b"])) == [("a", 11, 1)]
+    assert "b" not in tracker.context
+    assert tracker.advance(
+        event([("a", 1), ("b", 2)], admitted=[admission("b", 10, 8, resumed=True)])
+    ) == [("a", 12, 1), ("b", 8, 2)]
+    # Finished requests are forgotten after their last step.
+    assert tracker.advance(event([("a", 1), ("b", 1)], finished=[("a", "length")])) == [
+        ("a", 13, 1),
+        ("b", 10, 1),
+    ]
+    assert tracker.context == {"b": 11}
+
+
+def test_step_work_and_roofline_arithmetic():
+    events = [
+        event([("a", 6)], admitted=[admission("a", 10)], sampled=(), wall=0.5),
+        event([("a", 4), ("b", 3)], admitted=[admission("b", 3)], wall=0.25),
+        event([("a", 1), ("b", 1)], wall=0.125, finished=[("a", "length"), ("b", "length")]),
+    ]
+    work = step_work(events)
+    assert work == [
+        StepWork(6, 0, 6, 21, False, 0.5),  # positions 1..6 attended
+        StepWork(7, 2, 10 + 3, (4 * 6 + 10) + 6, False, 0.25),  # 7..10 and 1..3
+        StepWork(2, 2, 11 + 4, 11 + 4, True, 0.125),
+    ]
+    shape = ModelShape(
+        hidden_size=4, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2,
+        intermediate_size=8, vocab_size=10,
+    )
+    costs = StepCostModel.for_model(shape, weight_elements=1000, dtype_bytes=2)
+    assert costs.weight_bytes == 2000
+    assert costs.kv_bytes_per_token == 2 * 2 * 1 * 2 * 2
+    assert costs.linear_flops_per_token == 2 * 2 * (4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 8)
+    assert costs.lm_head_flops_per_row == 2 * 4 * 10
+    assert costs.attention_flops_per_position == 2 * 4 * 2 * 2
+    assert costs.bytes(work[2]) == 2000 + 15 * 16
+    assert costs.flops(work[2]) == 2 * 576 + 2 * 80 + 15 * 32
+
+    # Bandwidth so high that every step is compute-bound, then a rate so high that every
+    # step is memory-bound.
+    compute = roofline(work, costs, bytes_per_s=1e30, flops_per_s=1e3)
+    assert compute.total_s == pytest.approx(sum(costs.flops(w) for w in work) / 1e3)
+    assert compute.memory_bound_steps == 0 and compute.compute_bound_steps == 3
+    memory = roofline(work, costs, bytes_per_s=1e3, flops_per_s=1e30)
+    assert memory.total_s == pytest.approx(sum(costs.bytes(w) for w in work) / 1e3)
+    assert memory.memory_bound_steps == 3
+    assert memory.decode_steps == 1
+    assert memory.decode_floor_s == pytest.approx(costs.bytes(work[2]) / 1e3)
+    assert memory.decode_wall_s == 0.125 and memory.other_wall_s == 0.75
+    assert memory.total_bytes == sum(costs.bytes(w) for w in work)
+    assert memory.total_flops == compute.total_flops
+    # Each step is floored by the larger of the two.
+    mixed = roofline(work, costs, bytes_per_s=2000 / 0.001, flops_per_s=1e6)
+    assert mixed.total_s == pytest.approx(
+        sum(max(costs.bytes(w) / 2e6, costs.flops(w) / 1e6) for w in work)
+    )
+
+
+@attrs.define
+class NextTokenExecutor:
+    """Cost-model executor that records what each request really had cached per step."""
+
+    clock: VirtualClock
+    starts: list = attrs.field(factory=list)
+
+    def execute(self, batch):
+        self.starts.append([(e.request_id, e.start, e.num_new_tokens) for e in batch.entries])
+        self.clock.advance(0.001 * (1 + batch.num_batched_tokens))
+        return BatchOutput.from_lists(
+            [[(e.token_ids[-1] + 1) % 50] * e.num_scored for e in batch.entries],
+            [[-0.5] * e.num_scored for e in batch.entries],
+        )
+
+
+def test_tracked_contexts_match_the_scheduler_under_preemption_and_prefix_hits():
+    clock = VirtualClock()
+    kv = KVCacheManager(num_blocks=14, block_size=4)
+    scheduler = Scheduler(kv=kv, max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=256, policy=FCFS())
+    executor = NextTokenExecutor(clock)
+    engine = Engine(config=EngineConfig(model="cost-model"), scheduler=scheduler,
+                    executor=executor, tokenizer=None, vocab_size=100, max_model_len=256,
+                    eos_token_ids=frozenset(), clock=clock)
+    events = []
+    engine.subscribe(events.append)
+    shared = list(range(60, 72))  # a 12-token prefix several prompts share
+    prompts = [shared + [i] * (3 + i) for i in range(6)] + [[90 + i] * 9 for i in range(3)]
+    outputs = [12, 9, 14, 7, 11, 10, 13, 8, 6]
+    for i, (prompt, n) in enumerate(zip(prompts, outputs)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    assert any(e.preempted for e in events), "the cache should be too small for all four rows"
+    assert any(a.num_cached_tokens for e in events for a in e.admitted), "expected prefix hits"
+    tracker = ContextTracker()
+    ran = [e for e in events if e.scheduled]
+    assert len(ran) == len(executor.starts)
+    for ev, truth in zip(ran, executor.starts):
+        assert tracker.advance(ev) == truth
+    work = step_work(events)
+    assert sum(w.num_sampled for w in work) == sum(outputs)
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def test_weight_elements_count_a_tied_embedding_once_and_skip_an_untied_table():
+    assert weight_elements_read({"model.embed_tokens.weight": 100, "model.norm.weight": 4}) == 104
+    untied = {"model.embed_tokens.weight": 100, "lm_head.weight": 100, "model.norm.weight": 4}
+    assert weight_elements_read(untied) == 104
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_checkpoint_weight_count_matches_the_model(tiny_model_factory, architecture):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(architecture)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    params = dict(model.named_parameters())  # tied parameters appear once
+    expected = sum(p.numel() for p in params.values())
+    if not model.config.tie_word_embeddings:
+        expected -= model.get_input_embeddings().weight.numel()
+    assert weight_elements_read(checkpoint_numel(path)) == expected
+
+
+# ---------------------------------------------------------------------------- GPU trace
+
+
+def test_device_busy_time_is_the_union_of_device_activities():
+    trace = [
+        {"ph": "X", "cat": "kernel", "ts": 0.0, "dur": 10.0},
+        {"ph": "X", "cat": "kernel", "ts": 5.0, "dur": 10.0},  # overlaps: +5
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 20.0, "dur": 2.0},
+        {"ph": "X", "cat": "Kernel", "ts": 21.0, "dur": 1.0},  # inside the memcpy
+        {"ph": "X", "cat": "gpu_memset", "ts": 30.0, "dur": 0.5},
+        {"ph": "X", "cat": "cpu_op", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "cuda_runtime", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "ts": 0.0, "dur": 100.0},
+        {"ph": "f", "cat": "kernel", "ts": 50.0},  # a flow event, not an activity
+        {"ph": "M", "name": "process_name"},
+    ]
+    assert device_busy_us(trace) == (15.0 + 2.0 + 0.5, 5)
+    assert device_busy_us([]) == (0.0, 0)
+
+
+# ---------------------------------------------------------------------------- on a real engine
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_factory):
+    return LLM(tiny_model_factory("LlamaForCausalLM"), device="cpu", dtype="float32",
+               max_num_seqs=4, max_num_batched_tokens=48, skip_tokenizer_init=True)
+
+
+def test_decode_split_reaches_a_full_decode_batch_and_cleans_up(tiny_llm):
+    prompts = [[5 + i] * (20 + 7 * i) for i in range(4)]
+    split = throughput.measure_decode_split(tiny_llm, prompts, num_steps=3, profile=False)
+    assert split["batch"] == 4 and split["num_steps"] == 3
+    assert split["wall_ms"] > 0 and split["model_ms"] > 0
+    assert split["gpu_ms"] is None and split["host_ms"] is None
+    assert (split["prompt_len_min"], split["prompt_len_max"]) == (20, 41)
+    engine = tiny_llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.observers
+
+
+def test_decode_split_refuses_a_batch_that_never_runs_at_once(tiny_llm):
+    prompts = [[7] * 10 for _ in range(5)]  # max_num_seqs is 4
+    with pytest.raises(RuntimeError, match="no step decoded all 5"):
+        throughput.measure_decode_split(tiny_llm, prompts, num_steps=2, profile=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_cuda_report_prints_whatever_is_missing_or_failed(capsys):
+    rates = {
+        "copy_bytes_per_s": 3.0e12,
+        "matmul_flops_per_s": {"[8x8]@[8x8]": 1.0e14},
+        "rate_shape": "[8x8]@[8x8]",
+        "best_matmul_flops_per_s": 1.0e14,
+    }
+    throughput.print_cuda_report({}, rates, None, None)
+    text = capsys.readouterr().out
+    assert "roofline: n/a" in text and "GPU/host split: n/a" in text
+    throughput.print_cuda_report({}, rates, {"error": "ValueError: x"}, {"error": "skipped"})
+    text = capsys.readouterr().out
+    assert "roofline: FAILED: ValueError: x" in text and "GPU/host split: skipped" in text
+
+
+def test_the_cuda_path_end_to_end_with_stand_ins_for_the_gpu(
+    tiny_model_factory, monkeypatch, tmp_path, capsys
+):
+    """``main(["--device", "cuda", ...])`` on CPU: llmlab built on CPU, fixed device rates,
+    a fixed profiler result; everything else (warmup sweep, StepEvent recording, roofline,
+    decode split, report, JSON) runs as it would on a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    rates = {
+        "copy_bytes_per_s": 3.0e12,
+        "matmul_flops_per_s": {"[8192x8192]@[8192x8192]": 7.0e14},
+        "rate_shape": "[8192x8192]@[8192x8192]",
+        "best_matmul_flops_per_s": 7.0e14,
+    }
+    monkeypatch.setattr(throughput, "measure_device_rates", lambda shape, args: rates)
+    built = []
+
+    def build_on_cpu(model_dir, workload, args):
+        llm = LLM(str(model_dir), device="cpu", dtype="float32", skip_tokenizer_init=True,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        built.append(llm)
+        return llm
+
+    monkeypatch.setattr(throughput, "build_llmlab", build_on_cpu)
+
+    def profile_steps(engine, num_steps):
+        # 2 ms of device time over the 4 profiled steps, which took 4 ms of wall time.
+        for _ in range(num_steps):
+            engine.step()
+        return 2000.0, 77, 0.004
+
+    monkeypatch.setattr(throughput, "_profile_steps", profile_steps)
+    out = tmp_path / "cuda.json"
+    throughput.main([
+        "--device", "cuda", "--model-dir", tiny_model_factory("LlamaForCausalLM"),
+        "--only", "llmlab", "--num-requests", "6", "--prompt-len-range", "8", "30",
+        "--output-len-range", "4", "12", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64", "--decode-steps", "4", "--json", str(out),
+    ])
+    text = capsys.readouterr().out
+    assert "stand-in GPU" in text and "FAILED" not in text
+    assert "roofline time" in text and "of the roofline (roofline time / llmlab time)" in text
+    assert "GPU busy 0.50 ms" in text and "4 running" in text
+    assert len(built) == 1
+
+    payload = json.loads(out.read_text())
+    assert payload["args"]["device"] == "cuda"
+    assert payload["device_rates"] == rates
+    line = payload["roofline"]
+    assert line["num_steps"] >= line["decode_steps"] > 0
+    assert line["total_bytes"] > line["num_steps"] * line["weight_bytes"]
+    result = payload["results"]["llmlab"]
+    assert result["useful_output_tokens"] == payload["workload"]["output_tokens"]
+    decode = payload["decode_split"]
+    assert decode["batch"] == 4 and decode["gpu_ms"] == 0.5
+    assert decode["host_ms"] == pytest.approx(decode["wall_ms"] - 0.5)
+    assert decode["profiled_wall_ms"] == pytest.approx(1.0)
