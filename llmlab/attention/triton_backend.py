@@ -67,7 +67,6 @@ class _Programs:
     seq: torch.Tensor
     first_q: torch.Tensor
     block_q: int
-    max_ctx: int
 
     @property
     def count(self) -> int:
@@ -215,7 +214,7 @@ class TritonPagedAttention:
             seqs = md.decode_seqs
             max_ctx = int(md.seq_lens_host[seqs].max())
             programs = _Programs(
-                _int32(seqs, md.device), _int32(np.zeros_like(seqs), md.device), 1, max_ctx
+                _int32(seqs, md.device), _int32(np.zeros_like(seqs), md.device), 1
             )
             splits = self.num_splits(programs.count * num_kv_heads, max_ctx, md.device)
             scratch = None
@@ -230,12 +229,7 @@ class TritonPagedAttention:
             # Offset of each program within its sequence's run of programs.
             run_start = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
             first_q = (np.arange(seq_of.size) - run_start) * block_q
-            programs = _Programs(
-                _int32(seq_of, md.device),
-                _int32(first_q, md.device),
-                block_q,
-                int(md.seq_lens_host[seqs].max()),
-            )
+            programs = _Programs(_int32(seq_of, md.device), _int32(first_q, md.device), block_q)
             launches.append((programs, 1, None))
         md.launches[key] = launches
         return launches

@@ -26,7 +26,7 @@ the interpreter).
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 import triton
@@ -281,16 +281,10 @@ def kernel(name: str):
 
 def interpreting() -> bool:
     """Whether triton runs kernels in its interpreter in this process."""
-    knobs = getattr(triton, "knobs", None)
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def write_kv(
@@ -319,14 +313,14 @@ def write_kv(
         kv_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        HEADS_PAD=_pow2(num_kv_heads),
-        D_PAD=_pow2(head_dim),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim),
     )
 
 
 def block_q_for(group_size: int, rows: int = 64) -> int:
     """Query tokens per program so that a program holds about ``rows`` (token, head) rows."""
-    return max(1, rows // _pow2(group_size))
+    return max(1, rows // triton.next_power_of_2(group_size))
 
 
 def paged_attention(
@@ -374,8 +368,8 @@ def paged_attention(
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
     if dot_f32 is None:
         dot_f32 = q.dtype == torch.float32 or q.device.type != "cuda"
-    d_pad = _pow2(head_dim)
-    group_pad = _pow2(group)
+    d_pad = triton.next_power_of_2(head_dim)
+    group_pad = triton.next_power_of_2(group)
     block_m = max(16, block_q * group_pad)
     if scratch is None and num_splits > 1:
         scratch = split_scratch(num_programs * block_q, num_heads, num_splits, head_dim, q.device)
@@ -439,7 +433,7 @@ def split_scratch(
     rows: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial-result buffers for ``rows`` query rows split ``num_splits`` ways."""
-    d_pad = _pow2(head_dim)
+    d_pad = triton.next_power_of_2(head_dim)
     acc = torch.empty((rows, num_heads, num_splits, d_pad), dtype=torch.float32, device=device)
     ml = torch.empty((rows, num_heads, num_splits, 2), dtype=torch.float32, device=device)
     return acc, ml

@@ -60,39 +60,31 @@ def _batch(specs, *, block_size, group, head_dim, dtype, seed=0):
         cached = token_slots(table, torch.full_like(pos, i), pos, block_size)
         cache[:, :, cached] = torch.randn(2, NUM_KV_HEADS, len(pos), head_dim, generator=gen)
     cache = cache.to(dtype)
-    inputs = AttentionInputs(q_lens, seq_lens, table, slots, block_size, DEVICE)
-    move = lambda t: t.to(DEVICE)  # noqa: E731
-    return inputs, move(q), move(k), move(v), move(cache)
+    inputs = AttentionInputs(q_lens, seq_lens, table, slots.to(DEVICE), block_size, DEVICE)
+    return inputs, *(t.to(DEVICE) for t in (q, k, v, cache))
 
 
 def _reference(inputs, q, k, v, cache, *, scale, sliding_window):
     """The torch backend in float32 on the same values; also returns its updated cache."""
     ref = TorchPagedAttention(decode_mirror=False)
     ref_cache = cache.float().clone()
-    cpu = attrs_evolve_device(inputs, ref_cache.device)
     out = ref.forward(
         0,
         q.float(),
         k.float(),
         v.float(),
         ref_cache,
-        ref.build_metadata(cpu),
+        ref.build_metadata(inputs),
         scale=scale,
         sliding_window=sliding_window,
     )
     return out, ref_cache
 
 
-def attrs_evolve_device(inputs, device):
-    import attrs
-
-    return attrs.evolve(inputs, slot_mapping=inputs.slot_mapping.to(device), device=device)
-
-
 def _run_triton(backend, inputs, q, k, v, cache, *, scale, sliding_window):
     from llmlab.attention.triton_kernels import write_kv
 
-    write_kv(k, v, cache, inputs.slot_mapping.to(DEVICE))
+    write_kv(k, v, cache, inputs.slot_mapping)
     metadata = backend.build_metadata(inputs)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     backend.attend_into(out, q, cache, metadata, scale=scale, sliding_window=sliding_window)
