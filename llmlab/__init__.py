@@ -10,7 +10,7 @@ from llmlab.config import EngineConfig
 from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
-from llmlab.engine.events import StepEvent
+from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.llm import LLM
 from llmlab.registry import register
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "Arrival",
     "AsyncEngine",
     "AsyncLLMEngine",
     "BeamSearchOutput",
@@ -42,6 +43,7 @@ __all__ = [
     "Engine",
     "EngineBuilder",
     "EngineConfig",
+    "EngineSnapshot",
     "GuidedDecodingParams",
     "LLMEngine",
     "Logprob",

@@ -45,6 +45,11 @@ class BlockEvents:
     reclaimed for reuse, cut by :meth:`KVCacheManager.truncate`, or after a failed policy.
     ``forked`` lists the blocks :meth:`KVCacheManager.fork` shared with a new holder (once
     per fork: a prompt shared by four samples appears three times).
+    ``cached`` lists the blocks that entered the prefix index and are still in it.
+    ``tables`` gives, for every request whose block table changed, the table as it is now
+    (``()``: the request holds no blocks any more), in the order requests were first
+    touched. Applying ``evicted``, then ``cached``, then ``tables`` to the previous
+    :meth:`KVCacheManager.snapshot` gives the current one (what replayed views rely on).
     """
 
     allocated: tuple[int, ...] = ()
@@ -52,6 +57,8 @@ class BlockEvents:
     prefix_hits: tuple[int, ...] = ()
     evicted: tuple[int, ...] = ()
     forked: tuple[int, ...] = ()
+    cached: tuple[int, ...] = ()
+    tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @attrs.frozen
@@ -92,10 +99,19 @@ class KVCacheManager:
     _num_indexed: dict[str, int] = attrs.field(init=False, factory=dict, repr=False)
     _pending_copies: list[tuple[int, int]] = attrs.field(init=False, factory=list, repr=False)
     _log: dict[str, list[int]] = attrs.field(init=False, repr=False)
+    # Requests whose table changed since the last drain (a dict keeps first-touch order).
+    _touched: dict[str, None] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
-        self._log = {"allocated": [], "freed": [], "prefix_hits": [], "evicted": [], "forked": []}
+        self._log = {
+            "allocated": [],
+            "freed": [],
+            "prefix_hits": [],
+            "evicted": [],
+            "forked": [],
+            "cached": [],
+        }
 
     # -- queries -------------------------------------------------------------------------
 
@@ -202,6 +218,8 @@ class KVCacheManager:
         table.extend(new_ids[len(to_copy) :])
         if table:
             self._tables[rid] = table
+        if new_ids or prefix:
+            self._touched[rid] = None
         self._log["allocated"].extend(new_ids)
         return True
 
@@ -233,6 +251,7 @@ class KVCacheManager:
                 newly_cached.append(block_id)
         if newly_cached:
             self.pool.mark_cached(newly_cached)
+            self._log["cached"].extend(newly_cached)
         self._num_indexed[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -244,6 +263,7 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
         if table:
+            self._touched[request.request_id] = None
             self._release(table[::-1])
 
     def truncate(self, request: Request, num_tokens: int) -> None:
@@ -271,6 +291,8 @@ class KVCacheManager:
                 self.pool.drop_cached([last])
         released = table[num_kept:]
         del table[num_kept:]
+        if released:
+            self._touched[rid] = None
         if not table:
             del self._tables[rid]
             self._num_indexed.pop(rid, None)
@@ -292,6 +314,7 @@ class KVCacheManager:
         self.pool.share(parent_table)
         self._log["forked"].extend(parent_table)
         self._tables[child.request_id] = list(parent_table)
+        self._touched[child.request_id] = None
         if parent.request_id in self._num_indexed:
             self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
@@ -308,10 +331,16 @@ class KVCacheManager:
         return copies
 
     def drain_events(self) -> BlockEvents:
-        events = BlockEvents(**{k: tuple(v) for k, v in self._log.items()})
+        """What happened to blocks and tables since the last drain (then forget it)."""
+        log = {k: tuple(v) for k, v in self._log.items()}
+        cached = self.pool.cached
+        # A block indexed and then evicted again within the drain window ends up uncached.
+        log["cached"] = tuple(b for b in log["cached"] if cached[b])
+        tables = tuple((rid, tuple(self._tables.get(rid, ()))) for rid in self._touched)
         for v in self._log.values():
             v.clear()
-        return events
+        self._touched.clear()
+        return BlockEvents(**log, tables=tables)
 
     def snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(

@@ -16,6 +16,7 @@ skipped; the engine is safe to call from several threads (one step at a time).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ import attrs
 from llmlab.cache.kv_cache_manager import BlockEvents
 from llmlab.config import EngineConfig
 from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
-from llmlab.engine.events import StepEvent, StepObserver
+from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent, StepObserver
 from llmlab.engine.executor import Clock, Executor, real_clock
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
@@ -87,6 +88,7 @@ class Engine:
     _structured: Any = None  # the structured-output backend, built at first use
     _step_index: int = 0
     _aborted_since_step: list[str] = attrs.field(factory=list)
+    _arrived_since_step: list[Arrival] = attrs.field(factory=list)
     # Outputs built but not yet returned (a step that raised after updating requests).
     _undelivered: list[RequestOutput] = attrs.field(factory=list)
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
@@ -199,6 +201,18 @@ class Engine:
             if members[0].group is not None:
                 self._groups[prepared.request_id] = members[0].group
             self.scheduler.add(members[0])
+            params = prepared.params
+            self._arrived_since_step.append(
+                Arrival(
+                    request_id=prepared.request_id,
+                    arrival_time=members[0].arrival_time,
+                    prompt_len=len(prepared.prompt_token_ids),
+                    max_tokens=params.max_tokens,
+                    n=params.n,
+                    priority=prepared.priority,
+                    user=prepared.user,
+                )
+            )
 
     def _new_requests(self, prepared: PreparedRequest) -> list[Request]:
         """The request, or its ``best_of`` parallel samples (the first one leads)."""
@@ -398,6 +412,48 @@ class Engine:
     def unsubscribe(self, observer: StepObserver) -> None:
         self.observers.remove(observer)
 
+    def observe(self, observer: StepObserver) -> EngineSnapshot:
+        """Subscribe ``observer`` and return the state it starts from, atomically.
+
+        Applying every later event to the snapshot follows the engine exactly (no step can
+        fall between the two), which is how a view attached mid-run stays right.
+        """
+        with self._lock:
+            snapshot = self.snapshot()
+            self.subscribe(observer)
+        return snapshot
+
+    def record(self, path: str | os.PathLike):
+        """Record the run from now on to a JSON Lines file; returns the ``Recorder``.
+
+        The file starts with the engine's config and an :class:`EngineSnapshot`, then has
+        one line per step event (request arrivals included). Stop with ``close()`` or a
+        ``with`` block; read it back with :func:`llmlab.viz.load`.
+        """
+        from llmlab.viz.recording import Recorder
+
+        return Recorder(self, path)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The KV pool, block tables and queue lengths now (see :class:`EngineSnapshot`)."""
+        with self._lock:
+            kv = self.scheduler.kv
+            cache = kv.snapshot()
+            computed = {}
+            for rid in cache.block_tables:
+                request = self._requests.get(rid)
+                computed[rid] = request.num_computed_tokens if request is not None else 0
+            return EngineSnapshot(
+                step_index=self._step_index,
+                block_size=kv.block_size,
+                num_blocks=kv.num_blocks,
+                kv=cache,
+                num_computed=computed,
+                num_waiting=self.scheduler.num_waiting,
+                num_running=len(self.scheduler.running),
+                time_s=self.clock(),
+            )
+
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -473,7 +529,13 @@ class Engine:
         )
         blocks = self.scheduler.kv.drain_events()
         event = None
-        if batch.entries or self._aborted_since_step or failed or blocks != BlockEvents():
+        if (
+            batch.entries
+            or self._aborted_since_step
+            or self._arrived_since_step
+            or failed
+            or blocks != BlockEvents()
+        ):
             event = self._event(batch, finished + failed, blocks, start, model_time, sampled)
         return event, errors
 
@@ -600,6 +662,13 @@ class Engine:
     ) -> StepEvent:
         kv = self.scheduler.kv
         end = self.clock()
+        # A decode is a one-token span past the prompt; everything else is prefill (prompt
+        # chunks, and recomputation after preemption).
+        num_decode = sum(
+            1
+            for e in batch.entries
+            if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
+        )
         event = StepEvent(
             step_index=self._step_index,
             scheduled=tuple((e.request_id, e.num_new_tokens) for e in batch.entries),
@@ -625,8 +694,14 @@ class Engine:
             end_time_s=end,
             admitted=batch.admitted,
             sampled=sampled,
+            arrived=tuple(self._arrived_since_step),
+            num_prefill_tokens=batch.num_batched_tokens - num_decode,
+            num_computed=tuple(e.request.num_computed_tokens for e in batch.entries),
+            blocks_cached=blocks.cached,
+            block_tables=blocks.tables,
         )
         self._aborted_since_step.clear()
+        self._arrived_since_step.clear()
         if batch.entries:
             self._step_index += 1
         return event

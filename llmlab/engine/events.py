@@ -1,6 +1,8 @@
 """``StepEvent``: the one immutable record each engine step emits.
 
-Metrics, notebook views, traces and tests consume these instead of reading engine state.
+Metrics, notebook views, traces and tests consume these instead of reading engine state. A
+consumer that joins a running engine starts from an :class:`EngineSnapshot`
+(:meth:`~llmlab.engine.engine.Engine.observe`) and applies events from there.
 """
 
 from __future__ import annotations
@@ -9,7 +11,44 @@ from collections.abc import Callable
 
 import attrs
 
+from llmlab.cache.kv_cache_manager import CacheSnapshot
 from llmlab.scheduler.batch import Admission
+
+
+@attrs.frozen
+class Arrival:
+    """A request queued by ``add_request`` (the id the caller gave; ``n`` samples of it)."""
+
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    max_tokens: int | None
+    n: int = 1
+    priority: int = 0
+    user: str | None = None
+
+
+@attrs.frozen
+class EngineSnapshot:
+    """The engine's state at one instant, the starting point for applying events.
+
+    Attributes:
+        step_index: the ``step_index`` the next batch-running step will carry.
+        block_size / num_blocks: the KV pool's shape.
+        kv: every block's ref count and cached flag, and every request's block table.
+        num_computed: tokens in the KV cache per request holding blocks.
+        num_waiting / num_running: queue lengths.
+        time_s: the engine clock when the snapshot was taken.
+    """
+
+    step_index: int
+    block_size: int
+    num_blocks: int
+    kv: CacheSnapshot
+    num_computed: dict[str, int]
+    num_waiting: int
+    num_running: int
+    time_s: float
 
 
 @attrs.frozen
@@ -40,6 +79,16 @@ class StepEvent:
             arrival time, prompt length, prefix-cache tokens queried and hit, resumed).
         sampled: ``(request_id, num_tokens)`` for each request that received new output
             tokens this step (a parallel sample's first token included).
+        arrived: requests queued since the previous event.
+        num_prefill_tokens: tokens of the batch that are not decodes (a decode is a
+            one-token span past the prompt); the rest of ``num_batched_tokens`` are decodes.
+        num_computed: tokens in each scheduled request's KV cache after the step (same
+            order as ``scheduled``).
+        blocks_cached: blocks that entered the prefix index this step and are still in it.
+        block_tables: every request whose block table changed this step, with the table
+            after it (``()``: it holds no blocks now). With ``blocks_evicted`` and
+            ``blocks_cached`` this is enough to follow every block's owners and state from
+            an :class:`EngineSnapshot`, as the notebook views do.
     """
 
     step_index: int
@@ -66,6 +115,11 @@ class StepEvent:
     end_time_s: float = 0.0
     admitted: tuple[Admission, ...] = ()
     sampled: tuple[tuple[str, int], ...] = ()
+    arrived: tuple[Arrival, ...] = ()
+    num_prefill_tokens: int = 0
+    num_computed: tuple[int, ...] = ()
+    blocks_cached: tuple[int, ...] = ()
+    block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 StepObserver = Callable[[StepEvent], None]

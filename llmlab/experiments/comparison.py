@@ -79,10 +79,11 @@ class Comparison:
     requests: Any  # pandas.DataFrame
     events: Mapping[str, tuple[StepEvent, ...]]
 
-    def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4):
+    def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4, fig=None):
         """A matplotlib ``Figure``: one bar chart per metric (default :data:`KEY_METRICS`)
         across configurations, plus tokens served per user (stacked) when there are
-        several users. Built with the object API, so it needs no display."""
+        several users. Built with the object API, so it needs no display. ``fig``: draw
+        into this figure or subfigure instead of a new one (it is returned)."""
         from matplotlib.figure import Figure
 
         titles = dict(KEY_METRICS)
@@ -96,7 +97,8 @@ class Comparison:
         panels = len(names) + (len(served) > 1)
         ncols = max(1, min(ncols, panels))
         nrows = -(-panels // ncols)
-        fig = Figure(figsize=(3.2 * ncols, 2.8 * nrows), layout="constrained")
+        if fig is None:
+            fig = Figure(figsize=(3.2 * ncols, 2.8 * nrows), layout="constrained")
         axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
         labels = [str(label) for label in self.table.index]
         colors = [f"C{i % 10}" for i in range(len(labels))]

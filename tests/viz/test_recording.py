@@ -1,0 +1,113 @@
+"""Recordings: every event comes back equal, files stay small, bad files are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmlab import LLM, SamplingParams
+from llmlab.viz import load
+from llmlab.viz.recording import event_from_json, event_to_json
+
+
+@pytest.fixture
+def recorded(tiny_llama, tmp_path):
+    llm = LLM(tiny_llama, dtype="float32", block_size=4, num_gpu_blocks_override=48,
+              max_model_len=128)
+    events = []
+    llm.llm_engine.subscribe(events.append)
+    path = tmp_path / "run.jsonl"
+    with llm.llm_engine.record(path):
+        prompts = [{"prompt_token_ids": [7] * 24 + [10 + i] * (5 + 3 * i)} for i in range(6)]
+        llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False,
+                     priority=[0, 1, 2, 0, 1, 2], user=["a", "b", None, "a", "b", None])
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=0),
+                     use_tqdm=False)
+    return path, events
+
+
+def test_events_round_trip_exactly(recorded):
+    path, events = recorded
+    recording = load(path)
+    assert recording.complete
+    assert recording.events == tuple(events)
+    arrivals = [a for e in recording.events for a in e.arrived]
+    assert [a.prompt_len for a in arrivals][:6] == [24 + 5 + 3 * i for i in range(6)]
+    assert [a.priority for a in arrivals][:6] == [0, 1, 2, 0, 1, 2]
+    assert [a.user for a in arrivals][:6] == ["a", "b", None, "a", "b", None]
+    assert [a.max_tokens for a in arrivals] == [40] * 6 + [4] * 2
+    assert [a.n for a in arrivals][6:] == [2, 2]
+    assert recording.config["num_gpu_blocks_override"] == 48
+    for event in events:
+        assert event_from_json(json.loads(json.dumps(event_to_json(event)))) == event
+
+
+def test_a_few_thousand_steps_stay_a_few_megabytes(recorded):
+    path, events = recorded
+    per_step = path.stat().st_size / len(events)
+    # 6 requests a step here; a 3000-step run of a busier batch stays in the low MB.
+    assert per_step < 1000, per_step
+
+
+def test_an_interrupted_recording_loads_as_incomplete(recorded, tmp_path):
+    path, events = recorded
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:-1]))  # no footer
+    recording = load(cut)
+    assert not recording.complete and len(recording) == len(events)
+
+
+def test_a_truncated_file_names_the_line(recorded, tmp_path):
+    path, _ = recorded
+    text = path.read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(text[: len(text) // 2])
+    line = text[: len(text) // 2].count("\n") + 1
+    with pytest.raises(ValueError, match=rf"line {line}: not valid JSON \(the file looks truncated\)"):
+        load(cut)
+
+
+def test_a_foreign_jsonl_file_names_line_one(tmp_path):
+    foreign = tmp_path / "chat.jsonl"
+    foreign.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=r"chat.jsonl: line 1: not an llmlab recording"):
+        load(foreign)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="line 1: empty file"):
+        load(empty)
+
+
+def test_a_malformed_step_names_the_line_and_field(recorded, tmp_path):
+    path, _ = recorded
+    lines = path.read_text().splitlines(keepends=True)
+    step = json.loads(lines[3])
+    step["step"]["num_waiting"] = "many"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:3] + [json.dumps(step) + "\n"] + lines[4:]))
+    with pytest.raises(ValueError, match=r"line 4: bad step event: field 'num_waiting'"):
+        load(bad)
+    lines[5] = '{"stepp": {}}\n'
+    bad.write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"line 6: expected \{'step': ...\}"):
+        load(bad)
+    bad.write_text("".join(lines[:1]) + '{"step": {"step_index": 0, "bogus": 1}}\n')
+    with pytest.raises(ValueError, match=r"line 2: bad step event: unknown field\(s\) \['bogus'\]"):
+        load(bad)
+    bad.write_text("".join(lines[:1]) + '{"step": {"step_index": 0}}\n')
+    with pytest.raises(ValueError, match=r"line 2: bad step event: missing"):
+        load(bad)
+
+
+def test_the_recorder_stops_when_closed(tiny_llama, tmp_path):
+    llm = LLM(tiny_llama, dtype="float32")
+    recorder = llm.llm_engine.record(tmp_path / "r.jsonl")
+    llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
+    recorder.close()
+    recorder.close()  # idempotent
+    steps = recorder.num_steps
+    llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert recorder not in llm.llm_engine.observers
+    assert len(load(tmp_path / "r.jsonl")) == steps > 0
