@@ -13,6 +13,7 @@ matplotlib, so views work in scripts and tests too.
 
 from __future__ import annotations
 
+import copy
 import html
 import io
 import os
@@ -75,9 +76,13 @@ def _png(fig) -> bytes:
 
 class _View:
     """Live-or-replay plumbing shared by the views: subclasses fold events into a model
-    (``_reset``/``_apply``) and draw it (``_render`` into the widget, ``figure``)."""
+    (``_reset``/``_apply``), copy what a drawing needs (``_capture``) and draw it
+    (``_show`` into the widget, ``figure``)."""
 
     interval: float = 0.25
+    # Most of the wall time drawing may take: after a draw that took ``c`` seconds the
+    # next waits at least ``c / draw_budget`` (so a slow renderer cannot slow the engine).
+    draw_budget: float = 0.02
 
     def __init__(self, source: Any, *, interval: float | None = None) -> None:
         if interval is not None:
@@ -86,7 +91,7 @@ class _View:
             self.interval = float(interval)
         self._engine = None
         self._widget = None
-        self._last_draw = 0.0
+        self._next_draw = 0.0
         self._stale = False  # events applied since the last draw
         self._trailing: threading.Timer | None = None
         if isinstance(source, (str, os.PathLike)):
@@ -125,7 +130,7 @@ class _View:
         self._stale = True
         if self._widget is None:
             return
-        wait = self.interval - (time.monotonic() - self._last_draw)
+        wait = self._next_draw - time.monotonic()
         idle = event.num_running == 0 and event.num_waiting == 0
         if idle or wait <= 0:
             self.refresh()
@@ -137,11 +142,14 @@ class _View:
             self._trailing.start()
 
     def _draw_trailing(self) -> None:
-        # Under the engine's lock: no event is half-applied while the frame is read.
+        # Copy under the engine's lock (no event is half-applied meanwhile), draw outside it.
         with self._engine._lock:
             self._trailing = None
-            if self._stale:
-                self.refresh()
+            if not self._stale:
+                return
+            self._stale = False
+            data = self._capture()
+        self._show_timed(data)
 
     def close(self) -> None:
         """Stop following the engine (the widget keeps its last frame)."""
@@ -155,8 +163,13 @@ class _View:
         """Redraw the widget now (throttling aside)."""
         self._stale = False
         if self._widget is not None:
-            self._render()
-            self._last_draw = time.monotonic()
+            self._show_timed(self._capture())
+
+    def _show_timed(self, data: Any) -> None:
+        start = time.monotonic()
+        self._show(data)
+        end = time.monotonic()
+        self._next_draw = end + max(self.interval, (end - start) / self.draw_budget)
 
     # -- replay ----------------------------------------------------------------------
 
@@ -171,7 +184,7 @@ class _View:
         self._seek(position)
         self.position = position
         if self._widget is not None:
-            self._render()
+            self._show(self._capture())
 
     def _seek(self, position: int) -> None:
         # Default: rebuild from the snapshot (cheap for series; the KV view checkpoints).
@@ -242,7 +255,11 @@ class _View:
     def _build_widget(self, w):
         raise NotImplementedError
 
-    def _render(self) -> None:
+    def _capture(self) -> Any:
+        """A copy of what a drawing needs, safe to draw from another thread."""
+        raise NotImplementedError
+
+    def _show(self, data: Any) -> None:
         raise NotImplementedError
 
     def figure(self):
@@ -332,8 +349,11 @@ class KVCacheView(_View):
         self._html = w.HTML()
         return w.VBox([self._html])
 
-    def _render(self) -> None:
-        self._html.value = self.html()
+    def _capture(self) -> Frame:
+        return self.frame
+
+    def _show(self, frame: Frame) -> None:
+        self._html.value = self.html(frame)
 
     def html(self, frame: Frame | None = None) -> str:
         """The grid, legend and summary as HTML (what the widget shows)."""
@@ -494,13 +514,14 @@ class _PlotView(_View):
     """A view drawn as a matplotlib figure, shown as a PNG image widget."""
 
     interval = 1.0
+    draw_budget = 0.01
 
     def _build_widget(self, w):
         self._image = w.Image(format="png")
         return w.VBox([self._image])
 
-    def _render(self) -> None:
-        self._image.value = _png(self.figure())
+    def _show(self, data: Any) -> None:
+        self._image.value = _png(self.figure(data))
 
 
 class SchedulerTimeline(_PlotView):
@@ -513,10 +534,14 @@ class SchedulerTimeline(_PlotView):
     def _apply(self, event: StepEvent) -> None:
         self.series.apply(event)
 
-    def figure(self):
+    def _capture(self) -> SchedulerSeries:
+        return copy.deepcopy(self.series)
+
+    def figure(self, series: SchedulerSeries | None = None):
+        """The two panels as a matplotlib ``Figure`` (of ``series``, default the view's)."""
         from matplotlib.figure import Figure
 
-        s = self.series
+        s = self.series if series is None else series
         fig = Figure(figsize=(9, 4.2), layout="constrained")
         top, bottom = fig.subplots(2, 1, sharex=True)
         steps = np.asarray(s.step)
@@ -551,10 +576,14 @@ class MetricsPanel(_PlotView):
     def _apply(self, event: StepEvent) -> None:
         self.metrics.apply(event)
 
-    def figure(self):
+    def _capture(self) -> MetricSeries:
+        return copy.deepcopy(self.metrics)
+
+    def figure(self, metrics: MetricSeries | None = None):
+        """The four panels as a matplotlib ``Figure`` (of ``metrics``, default the view's)."""
         from matplotlib.figure import Figure
 
-        m = self.metrics
+        m = self.metrics if metrics is None else metrics
         fig = Figure(figsize=(10, 5), layout="constrained")
         (ttft, tpot), (hits, usage) = fig.subplots(2, 2)
         for ax, values, name in ((ttft, m.ttft_s, "TTFT"), (tpot, m.tpot_s, "TPOT")):

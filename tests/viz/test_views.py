@@ -224,7 +224,7 @@ def test_redraws_are_throttled_but_the_last_frame_is_drawn(tiny_llama, monkeypat
     view = KVCacheView(llm, interval=3600)
     view.widget  # noqa: B018 - builds the widget (first draw)
     draws = []
-    monkeypatch.setattr(view, "_render", lambda: draws.append(view.frame.step_index))
+    monkeypatch.setattr(view, "_show", lambda frame: draws.append(frame.step_index))
     steps = []
     llm.llm_engine.subscribe(lambda e: steps.append(e.step_index))
     llm.generate(_prompts(3), SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
@@ -275,3 +275,30 @@ def test_a_paused_engine_still_gets_its_latest_frame_drawn(tiny_llama):
         time.sleep(0.05)
     assert f"step {view.frame.step_index} " in html.value
     view.close()
+
+
+def test_policy_comparison_shows_the_table_and_each_configurations_run(tiny_llama, tmp_path):
+    from llmlab.experiments import shared_prefix_chat
+    from llmlab.viz import PolicyComparison
+
+    workload = shared_prefix_chat(3, 2, vocab_size=256, system_prompt_len=24, output_len=4,
+                                  low=10, seed=0)
+    comparison = PolicyComparison.run(
+        workload,
+        {"lru": {"eviction_policy": "lru"}, "fifo": {"eviction_policy": "fifo"}},
+        model=tiny_llama,
+        engine_kwargs={"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 40,
+                       "max_model_len": 128},
+        progress=False,
+    )
+    assert list(comparison.table.index) == ["lru", "fifo"]
+    series = comparison.series()
+    assert set(series) == {"lru", "fifo"} and all(len(s) > 0 for s in series.values())
+    fig = comparison.figure()
+    assert len(fig.subfigs) == 2
+    assert comparison.to_png(tmp_path / "c.png").stat().st_size > 0
+    pytest.importorskip("ipywidgets")
+    table, image = comparison.widget.children
+    assert "<table" in table.value and image.value[:4] == b"\x89PNG"
+    with pytest.raises(TypeError, match="llmlab.experiments.Comparison"):
+        PolicyComparison({"lru": {}})
