@@ -21,7 +21,6 @@ from llmlab.models.registry import MODEL_REGISTRY, get_model_class, register_mod
 from llmlab.models.tiny import (
     TINY_ARCHITECTURES,
     build_tiny_model,
-    default_model_dir,
     ensure_builtin_model,
 )
 
@@ -37,7 +36,6 @@ __all__ = [
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "build_tiny_model",
-    "default_model_dir",
     "ensure_builtin_model",
     "get_model_class",
     "iterate_weights",

@@ -2,8 +2,9 @@
 
 Tests, examples and the simulator need a model that loads through exactly the same path as
 a downloaded one (config.json, model.safetensors, tokenizer.json) but builds in a second
-with no network. :func:`build_tiny_model` writes one for any supported architecture;
-:func:`ensure_builtin_model` keeps a slightly larger Llama in the user cache.
+with no network. :func:`build_tiny_model` writes one for any supported architecture. The
+built-in demo model that :func:`ensure_builtin_model` returns is different: trained, and
+shipped in :mod:`llmlab.models.builtin` (whose tokenizer comes from the helpers here).
 
 Weights are redrawn after ``transformers`` initialises the model, because HF init sets
 norms to 1 and biases to 0, which would let a loader that drops or misplaces them pass
@@ -16,15 +17,13 @@ import functools
 import json
 import os
 import pathlib
-import shutil
-import tempfile
+from collections.abc import Iterable
 
 import torch
 
 from llmlab.models.tiny_corpus import corpus_lines
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
-BUILTIN_MODEL_NAME = "llmlab-tiny-llama"
 # A minimal chat format so chat endpoints work; no special tokens, so it composes with the
 # tokenizer adding <s> itself.
 CHAT_TEMPLATE = (
@@ -102,9 +101,11 @@ _CONFIG_CLASSES = {
 }
 
 
-@functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Byte-level BPE trained on the built-in corpus (deterministic; cached per size)."""
+def train_bpe_tokenizer(lines: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE with ``<s>``/``</s>`` trained on ``lines``, as tokenizer JSON.
+
+    Encoding adds ``<s>`` in front (as Llama tokenizers do); ``</s>`` is left to the caller.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -116,7 +117,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",
@@ -126,18 +127,13 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tokenizer.to_str()
 
 
-def _build_tokenizer(vocab_size: int, max_length: int):
+def hf_tokenizer(tokenizer_json: str, max_length: int):
+    """A ``PreTrainedTokenizerFast`` around ``tokenizer_json`` with llmlab's chat template."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    # The byte alphabet plus the two specials is the smallest vocab that can encode text.
-    min_vocab = 256 + 2
-    if vocab_size < min_vocab:
-        raise ValueError(
-            f"vocab_size must be at least {min_vocab} for a byte-level BPE, got {vocab_size}"
-        )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         # Named explicitly because transformers 5 forces its own Qwen2Tokenizer class on
@@ -149,6 +145,34 @@ def _build_tokenizer(vocab_size: int, max_length: int):
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
+    """``save_pretrained`` in a form both transformers 4.x and 5 load."""
+    out = pathlib.Path(path)
+    tokenizer.save_pretrained(out)
+    # transformers 5 records its new "TokenizersBackend" class, which 4.x cannot load;
+    # "PreTrainedTokenizerFast" means the same thing to both.
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """The tiny models' tokenizer, trained on the built-in corpus (cached per size)."""
+    return train_bpe_tokenizer(corpus_lines(), vocab_size)
+
+
+def _build_tokenizer(vocab_size: int, max_length: int):
+    # The byte alphabet plus the two specials is the smallest vocab that can encode text.
+    min_vocab = 256 + 2
+    if vocab_size < min_vocab:
+        raise ValueError(
+            f"vocab_size must be at least {min_vocab} for a byte-level BPE, got {vocab_size}"
+        )
+    return hf_tokenizer(_trained_tokenizer_json(vocab_size), max_length)
 
 
 def _config_kwargs(architecture: str, config_cls: type, overrides: dict) -> dict:
@@ -229,58 +253,13 @@ def build_tiny_model(
     tokenizer = _build_tokenizer(vocab_size, max_len)
     if tokenizer.bos_token_id != 0 or tokenizer.eos_token_id != 1:
         raise AssertionError("tokenizer special-token ids drifted from the config's")
-    tokenizer.save_pretrained(out)
-    _use_portable_tokenizer_class(out / "tokenizer_config.json")
+    save_tokenizer(tokenizer, out)
     return out
 
 
-def _use_portable_tokenizer_class(config_path: pathlib.Path) -> None:
-    # transformers 5 records its new "TokenizersBackend" class, which 4.x cannot load;
-    # "PreTrainedTokenizerFast" means the same thing to both.
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-
-
-def default_model_dir() -> pathlib.Path:
-    """Where llmlab keeps models it builds: ``$LLMLAB_CACHE`` or ``~/.cache/llmlab``."""
-    root = os.environ.get("LLMLAB_CACHE")
-    if root:
-        return pathlib.Path(root).expanduser()
-    return pathlib.Path.home() / ".cache" / "llmlab"
-
-
 def ensure_builtin_model() -> pathlib.Path:
-    """The built-in demo model (a small random Llama), built on first use.
+    """The built-in demo model: a small Llama trained on synthetic stories, shipped in the
+    package (see :mod:`llmlab.models.builtin`). Nothing is built or downloaded."""
+    from llmlab.models.builtin import builtin_model_path
 
-    Built in a temporary sibling folder and renamed into place, so a crash or a second
-    process racing this one never leaves a half-written model at the final path.
-    """
-    final = default_model_dir() / BUILTIN_MODEL_NAME
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{BUILTIN_MODEL_NAME}-", dir=final.parent))
-    try:
-        build_tiny_model(
-            staging,
-            "LlamaForCausalLM",
-            vocab_size=2048,
-            seed=0,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            rope={"rope_type": "default", "rope_theta": 10000.0},
-        )
-        try:
-            os.rename(staging, final)
-        except OSError:
-            # Another process finished first (rename onto a non-empty dir fails); use theirs.
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return builtin_model_path()

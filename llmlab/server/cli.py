@@ -6,8 +6,9 @@
     llmlab serve [MODEL] --port 8000 --api-key KEY     # an OpenAI-compatible server
     llmlab bench serve --base-url http://127.0.0.1:8000 --num-prompts 100
 
-Without a model it runs llmlab's built-in tiny model (random weights, built locally on
-first use), so the command works on an offline machine; its text is gibberish.
+Without a model it runs llmlab's built-in story model (3.3M parameters, trained on
+synthetic children's stories and shipped in the package), so the command works on an
+offline machine and prints readable, if simple, text.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def _model_or_builtin(model: str | None) -> str:
 
     path = str(ensure_builtin_model())
     print(
-        f"[llmlab] no model given: using the built-in tiny model at {path} "
-        "(random weights, so the text is gibberish)",
+        f"[llmlab] no model given: using the built-in story model at {path} "
+        "(a tiny model trained on simple synthetic stories)",
         file=sys.stderr,
     )
     return path
@@ -162,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     given = args.model_tag or args.model
     model = _model_or_builtin(given)
-    names = args.served_model_name or [given or "llmlab-tiny-llama"]
+    names = args.served_model_name or [given or "llmlab-stories"]
     api_key = args.api_key or os.environ.get("LLMLAB_API_KEY") or None
     try:
         chat_template = _read_chat_template(args.chat_template)
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="an OpenAI-compatible HTTP server", allow_abbrev=False
     )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="local directory or hub id (default: the built-in tiny model)")
+                       help="local directory or hub id (default: the built-in story model)")
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")

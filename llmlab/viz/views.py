@@ -613,8 +613,8 @@ class MetricsPanel(_PlotView):
 
 class PolicyComparison:
     """An :func:`llmlab.experiments.compare` result for notebooks and papers: the metrics
-    table, one bar chart per key metric, and each configuration's KV usage and queue over
-    time, side by side.
+    table, one bar chart per key metric, and each configuration's prefix-cache hit rate and
+    KV usage step by step, side by side.
 
     Build it from a ``Comparison`` or run one: ``PolicyComparison.run(workload, configs,
     model=...)`` takes :func:`~llmlab.experiments.compare`'s arguments.
@@ -652,27 +652,31 @@ class PolicyComparison:
         return out
 
     def figure(self, metrics: Any = None):
-        """Bar charts of the key metrics, then KV usage and running requests over time."""
+        """Bar charts of the key metrics (default: those with a value in some run), then
+        each run's prefix-cache hit rate and KV usage per step."""
         from matplotlib.figure import Figure
 
-        labels = list(self.comparison.events)
+        from llmlab.experiments import KEY_METRICS
+
+        table = self.comparison.table
+        if metrics is None:
+            metrics = [m for m, _ in KEY_METRICS if table[m].astype(float).notna().any()]
         fig = Figure(figsize=(13, 8.5), layout="constrained")
         bars, lines = fig.subfigures(2, 1, height_ratios=[1.2, 1])
         self.comparison.figure(metrics, fig=bars)
-        usage, running = lines.subplots(1, 2)
-        for i, label in enumerate(labels):
-            events = [e for e in self.comparison.events[label] if e.scheduled]
-            if not events:
-                continue
-            t0 = events[0].start_time_s
-            t = [e.end_time_s - t0 for e in events]
-            usage.plot(t, [e.kv_usage for e in events], color=f"C{i % 10}", label=label)
-            running.plot(t, [e.num_running for e in events], color=f"C{i % 10}", label=label)
-        usage.set_title("KV cache usage", fontsize="medium")
-        usage.set_ylim(0, 1.02)
-        running.set_title("running requests", fontsize="medium")
-        for ax in (usage, running):
-            ax.set_xlabel("seconds since the first step")
+        hits, usage = lines.subplots(1, 2)
+        for i, label in enumerate(self.comparison.events):
+            series = MetricSeries()
+            for event in self.comparison.events[label]:
+                series.apply(event)
+            color = f"C{i % 10}"
+            hits.plot(series.hit_rate, color=color, label=label)
+            usage.plot(series.kv_usage, color=color, label=label)
+        hits.set_title("prefix-cache hit rate (cumulative, tokens)", fontsize="medium")
+        usage.set_title("KV cache usage (blocks held by requests)", fontsize="medium")
+        for ax in (hits, usage):
+            ax.set_ylim(0, 1.02)
+            ax.set_xlabel("step")
             ax.legend(fontsize="small")
         return fig
 

@@ -9,11 +9,10 @@ import transformers
 from llmlab.models import (
     TINY_ARCHITECTURES,
     build_tiny_model,
-    default_model_dir,
     ensure_builtin_model,
     load_tokenizer,
 )
-from llmlab.models.tiny import BUILTIN_MODEL_NAME
+from llmlab.models.builtin import builtin_model_path
 
 
 def _digest(path) -> str:
@@ -66,22 +65,11 @@ def test_unknown_architecture_and_tiny_vocab_are_rejected(tmp_path):
         build_tiny_model(tmp_path / "y", vocab_size=100)
 
 
-def test_default_model_dir_honours_llmlab_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path
-    monkeypatch.delenv("LLMLAB_CACHE")
-    assert default_model_dir().parts[-2:] == (".cache", "llmlab")
-
-
-def test_builtin_model_is_built_once_then_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
+def test_builtin_model_is_the_shipped_trained_one_and_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
     path = ensure_builtin_model()
-    assert path == tmp_path / BUILTIN_MODEL_NAME
+    assert path == builtin_model_path()
     config = transformers.AutoConfig.from_pretrained(path)
-    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (256, 4, 2048)
-    assert len(load_tokenizer(path)) == 2048  # the corpus fills the whole vocab
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_builtin_model() == path
-    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    # No staging folders left behind.
-    assert [p.name for p in tmp_path.iterdir()] == [BUILTIN_MODEL_NAME]
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (256, 4, 1536)
+    assert len(load_tokenizer(path)) == config.vocab_size
+    assert list(tmp_path.iterdir()) == []  # nothing built in the cache

@@ -17,15 +17,21 @@ def run_cli(args, cache_dir):
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_generate_without_model_builds_the_builtin_one(tmp_path):
-    result = run_cli(["generate", "Hello", "--max-tokens", "8"], tmp_path)
+def test_generate_without_model_tells_a_story_with_the_builtin_model(tmp_path):
+    from llmlab.models.builtin.stories import vocabulary, words
+
+    result = run_cli(["generate", "Once upon a time", "--max-tokens", "40"], tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "built-in tiny model" in result.stderr
-    assert "Prompt: 'Hello'" in result.stdout
-    assert "Completion: '" in result.stdout
-    assert any(tmp_path.iterdir()), "the built-in model was not cached"
-    # A second run reuses the cached model and is deterministic under greedy decoding.
-    again = run_cli(["generate", "Hello", "--max-tokens", "8"], tmp_path)
+    assert "built-in story model" in result.stderr
+    assert "Prompt: 'Once upon a time'" in result.stdout
+    completion = result.stdout.split("Completion: ", 1)[1]
+    generated = words(completion.rsplit("(finish_reason", 1)[0])
+    assert len(generated) >= 10
+    known = vocabulary()
+    assert sum(w in known for w in generated) / len(generated) >= 0.9, completion
+    assert not any(tmp_path.iterdir()), "the built-in model ships with llmlab: nothing to cache"
+    # Greedy decoding is deterministic.
+    again = run_cli(["generate", "Once upon a time", "--max-tokens", "40"], tmp_path)
     assert again.returncode == 0 and again.stdout == result.stdout
 
 

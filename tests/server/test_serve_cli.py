@@ -72,11 +72,11 @@ def test_serve_answers_then_shuts_down_cleanly_on_a_signal(tiny_llama, sig):
     assert proc.returncode == 0, proc.stderr.read()
 
 
-def test_serve_without_a_model_serves_the_builtin_one(tmp_path):
-    proc, url = start_server([], env_extra={"LLMLAB_CACHE": str(tmp_path)}, timeout=240)
+def test_serve_without_a_model_serves_the_builtin_one():
+    proc, url = start_server([], timeout=240)
     try:
         models = httpx.get(f"{url}/v1/models").json()
-        assert models["data"][0]["id"] == "llmlab-tiny-llama"
+        assert models["data"][0]["id"] == "llmlab-stories"
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
         assert chat.status_code == 200, chat.text
