@@ -6,16 +6,18 @@ interleaved rounds under each mode:
 
 * ``none``: no observer;
 * ``kv-view``: a live ``KVCacheView`` with its widget built, so it folds every event into
-  its state and re-renders the grid's HTML at its default interval (0.25 s) and when the
-  engine goes idle (no browser is attached: sending the widget state to a front end
-  happens on the kernel's I/O thread, not in the step);
+  its state and re-renders the grid's HTML at its default interval (0.25 s, within its
+  2% draw budget) and once when the engine goes idle (no browser is attached: sending
+  the widget state to a front end happens on the kernel's I/O thread, not in the step);
 * ``all-views``: ``KVCacheView`` + ``SchedulerTimeline`` + ``MetricsPanel``, widgets built
   (the two plots re-render a PNG with matplotlib at most once a second);
 * ``record``: ``Engine.record`` to a JSON Lines file.
 
 Two numbers per mode: the time spent inside the observers (timed around each call, so
 exact) as a percentage of the engine's step time, and the wall-time ratio to ``none``
-(median of the rounds; noisier, it includes the machine's jitter). The issue's target is
+(median of the rounds, the order of modes rotated each round; noisier, it includes the
+machine's jitter, and the final draw each view makes on a timer thread once the run is
+over). The issue's target is
 under 5% of step time with a view attached.
 
     python -m benchmarks.viz_overhead            # ~2 min on 2 cores
@@ -126,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         walls: dict[str, list[float]] = {m: [] for m in modes}
         shares: dict[str, list[float]] = {m: [] for m in modes}
         num_steps = 0
-        for _ in range(args.rounds):
-            for mode in modes:
+        for round_index in range(args.rounds):
+            # Rotate the order each round: the first run of a round tends to be faster.
+            shift = round_index % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
                 timed, detach = _attach(mode, llm, tmp)
                 steps.clear()
                 try:
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 shares[mode].append(observer_s / step_s)
                 num_steps = len(steps)
         base = statistics.median(walls["none"]) if "none" in walls else None
-        print(f"{num_steps} steps per run, {args.rounds} round(s), modes interleaved")
+        print(f"{num_steps} steps per run, {args.rounds} round(s), modes interleaved (rotated)")
         print(f"{'mode':<10} {'wall s (median)':>16} {'vs none':>8} {'observers % of step':>20}")
         for mode in modes:
             wall = statistics.median(walls[mode])

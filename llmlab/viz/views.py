@@ -3,8 +3,10 @@
 Every view is fed by step events only: attached to a live engine it starts from
 ``Engine.observe`` (a snapshot, then each event as it happens); given a
 :class:`~llmlab.viz.recording.Recording` it replays the same events with a slider and a
-play button. Redraws are throttled (``interval`` seconds) so a view costs the engine
-little; a view always redraws when the engine goes idle, so the last frame is shown. Each
+play button. Redraws are throttled (at most every ``interval`` seconds, and at most a
+``draw_budget`` share of the time) so watching costs the engine little; once events stop
+(the engine went idle or paused) a timer draws the newest state, so the last frame is
+always shown. Each
 view has ``display()``, ``figure()`` (a matplotlib ``Figure``) and ``to_png(path)``.
 
 ipywidgets is imported only when a widget is shown; ``figure``/``to_png`` need only
@@ -94,6 +96,7 @@ class _View:
         self._next_draw = 0.0
         self._stale = False  # events applied since the last draw
         self._trailing: threading.Timer | None = None
+        self._trailing_due = 0.0
         if isinstance(source, (str, os.PathLike)):
             source = load(source)
         self.recording: Recording | None = source if isinstance(source, Recording) else None
@@ -126,36 +129,64 @@ class _View:
         return self._engine is not None
 
     def _on_event(self, event: StepEvent) -> None:
+        # Runs inside the engine's step. A draw due now happens here, charged to the step
+        # but bounded by the budget; otherwise a timer draws the newest state if no event
+        # comes first (the engine went idle or paused), when the engine is not running. A
+        # renderer on another thread *while* the engine runs would cost more than drawing
+        # inline: it holds the GIL the engine thread keeps needing back.
         self._apply(event)
         self._stale = True
         if self._widget is None:
             return
-        wait = self._next_draw - time.monotonic()
-        idle = event.num_running == 0 and event.num_waiting == 0
-        if idle or wait <= 0:
+        now = time.monotonic()
+        if event.num_running == 0 and event.num_waiting == 0:
+            self._draw_later(now)
+        elif now >= self._next_draw:
+            self._cancel_trailing()
             self.refresh()
-        elif self._trailing is None:
-            # Draw the latest state once the interval is up, even if no event follows
-            # (the engine paused, or a user stepping by hand).
-            self._trailing = threading.Timer(wait, self._draw_trailing)
-            self._trailing.daemon = True
-            self._trailing.start()
+        else:
+            self._draw_later(self._next_draw)
 
-    def _draw_trailing(self) -> None:
-        # Copy under the engine's lock (no event is half-applied meanwhile), draw outside it.
-        with self._engine._lock:
-            self._trailing = None
-            if not self._stale:
+    def _draw_later(self, due: float) -> None:
+        if self._trailing is not None:
+            if self._trailing_due <= due:
                 return
-            self._stale = False
-            data = self._capture()
-        self._show_timed(data)
+            self._trailing.cancel()
+        self._trailing_due = due
+        self._trailing = threading.Timer(max(0.0, due - time.monotonic()), self._draw_trailing)
+        self._trailing.daemon = True
+        self._trailing.start()
 
-    def close(self) -> None:
-        """Stop following the engine (the widget keeps its last frame)."""
+    def _cancel_trailing(self) -> None:
         if self._trailing is not None:
             self._trailing.cancel()
             self._trailing = None
+
+    def _draw_trailing(self) -> None:
+        # Copy under the engine's lock (no event is half-applied meanwhile), draw outside it.
+        me = threading.current_thread()
+        with self._engine._lock:
+            if self._trailing is not me:
+                return  # cancelled after it had started
+            data = self._capture() if self._stale else None
+            self._stale = False
+        try:
+            if data is not None:
+                self._show_timed(data)
+        finally:
+            with self._engine._lock:
+                if self._trailing is me:
+                    self._trailing = None
+                    if self._stale:  # events came while drawing: draw them too
+                        self._draw_later(self._next_draw)
+
+    def close(self) -> None:
+        """Stop following the engine (the widget keeps its last frame); waits for a draw
+        in progress on the timer thread."""
+        timer = self._trailing
+        self._cancel_trailing()
+        if timer is not None and timer is not threading.current_thread():
+            timer.join(timeout=10)
         if self._engine is not None and self._on_event in self._engine.observers:
             self._engine.unsubscribe(self._on_event)
 
