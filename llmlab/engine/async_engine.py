@@ -58,7 +58,8 @@ class RequestStream:
     the finished one. It raises :class:`~llmlab.errors.RequestFailedError`,
     :class:`EngineError` or :class:`EngineDeadError` when the request could not complete.
     :meth:`abort` (or leaving an ``async with`` block) stops the request if it is still
-    running and frees its KV blocks.
+    running and frees its KV blocks; the stream then ends at once (outputs delivered but
+    not read yet are dropped).
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
@@ -68,6 +69,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False  # the engine will send nothing more
         self._ended = False  # the reader has seen the end marker
+        self._aborted = False  # aborted by the caller: outputs still queued are dropped
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -75,7 +77,8 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         # ``finished`` is set by the loop thread before its last items arrive here, so the
         # end is known only from the end marker itself.
-        if self._ended:
+        if self._ended or self._aborted:
+            self._ended = True
             raise StopAsyncIteration
         item = await self._queue.get()
         if item is _END:
@@ -256,6 +259,9 @@ class AsyncEngine:
             self._aborts.add(request_id)
             self._cond.notify()
         if stream is not None:
+            # Whatever the loop delivered before the abort is not read any more: after
+            # abort() the stream ends, however far the engine had got.
+            stream._aborted = True
             self._end([stream], None)
 
     @property

@@ -557,10 +557,17 @@ class Engine:
         # The EOS or stop token that ended it stays out of the text (vLLM v1).
         terminated = request.status is RequestStatus.FINISHED_STOPPED
         matched = detok.update(new, request.num_output_tokens, stop_terminated=terminated)
-        if matched is not None and not request.is_finished:
+        if matched is None:
+            return False
+        if not request.is_finished:
             request.stop_reason = matched
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             return True
+        if request.status is RequestStatus.FINISHED_LENGTH:
+            # The token that reached max_tokens also completed a stop string: the text is
+            # cut there, so the request stopped on the string (vLLM reports it the same way).
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = matched
         return False
 
     def _output(self, request: Request) -> RequestOutput | None:

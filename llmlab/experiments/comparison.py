@@ -80,14 +80,18 @@ class Comparison:
     events: Mapping[str, tuple[StepEvent, ...]]
 
     def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4, fig=None):
-        """A matplotlib ``Figure``: one bar chart per metric (default :data:`KEY_METRICS`)
-        across configurations, plus tokens served per user (stacked) when there are
-        several users. Built with the object API, so it needs no display. ``fig``: draw
+        """A matplotlib ``Figure``: one bar chart per metric (default: those of
+        :data:`KEY_METRICS` with a value in some run) across configurations, plus tokens
+        served per user (stacked) when there are several users. Built with the object API, so it needs no display. ``fig``: draw
         into this figure or subfigure instead of a new one (it is returned)."""
         from matplotlib.figure import Figure
 
         titles = dict(KEY_METRICS)
-        names = [m for m, _ in KEY_METRICS] if metrics is None else list(metrics)
+        if metrics is None:
+            # A metric with no value in any run (a fairness gap with one user) is left out.
+            names = [m for m, _ in KEY_METRICS if self.table[m].astype(float).notna().any()]
+        else:
+            names = list(metrics)
         missing = [m for m in names if m not in self.table.columns]
         if missing:
             raise ValueError(

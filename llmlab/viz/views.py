@@ -687,11 +687,6 @@ class PolicyComparison:
         each run's prefix-cache hit rate and KV usage per step."""
         from matplotlib.figure import Figure
 
-        from llmlab.experiments import KEY_METRICS
-
-        table = self.comparison.table
-        if metrics is None:
-            metrics = [m for m, _ in KEY_METRICS if table[m].astype(float).notna().any()]
         fig = Figure(figsize=(13, 8.5), layout="constrained")
         bars, lines = fig.subfigures(2, 1, height_ratios=[1.2, 1])
         self.comparison.figure(metrics, fig=bars)

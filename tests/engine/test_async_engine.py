@@ -86,6 +86,8 @@ def test_abort_and_closing_the_generator_free_blocks(engine):
         await gen.aclose()  # a client that went away
         stream = await engine.add_request("s", "Another", long)
         await stream.__anext__()
+        while stream._queue.qsize() < 2:  # outputs delivered but not read yet
+            await asyncio.sleep(0.001)
         await engine.abort("s")
         rest = [o async for o in stream]  # the stream just ends
         return rest

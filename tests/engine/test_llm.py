@@ -289,3 +289,17 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     # 100 tokens as sequences of at most max_model_len=48 (48 + 48 + 4); cache excluded.
     assert seen == [(100, 47)]
     assert 0 < peak < 10**9
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop():
+    from llmlab.models import ensure_builtin_model
+
+    llm = LLM(str(ensure_builtin_model()), dtype="float32")
+    text = llm.generate("Once upon a time", SamplingParams(max_tokens=6, temperature=0),
+                        use_tqdm=False)[0].outputs[0].text
+    assert len(text) > 5
+    for max_tokens in (6, 7):  # the 6th token completes the string: at the cap, and before it
+        params = SamplingParams(max_tokens=max_tokens, stop=[text], temperature=0)
+        out = llm.generate("Once upon a time", params,
+                           use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", text), max_tokens

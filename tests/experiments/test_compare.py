@@ -154,10 +154,15 @@ def test_figure_and_html_show_every_configuration(chat, tenants):
         figure = result.figure()
         assert isinstance(figure, Figure)
         titles = [ax.get_title() for ax in figure.axes if ax.get_visible()]
-        assert len(titles) >= len(KEY_METRICS)
+        # Every key metric with a value in some run, in order (an all-NaN one is left out).
+        shown = [t for m, t in KEY_METRICS if result.table[m].astype(float).notna().any()]
+        assert [t for t in titles if t != "tokens served per user"] == shown
         html = result._repr_html_()
         assert all(label in html for label in result.table.index)
     assert "tokens served per user" in [ax.get_title() for ax in tenants[1].figure().axes]
+    single_user = chat[1].table
+    assert single_user["fairness_gap_tokens"].isna().all()
+    assert "fairness gap (tokens)" not in [ax.get_title() for ax in chat[1].figure().axes]
 
 
 def test_figure_rejects_a_metric_the_table_lacks(chat):

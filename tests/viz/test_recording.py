@@ -111,3 +111,20 @@ def test_the_recorder_stops_when_closed(tiny_llama, tmp_path):
     llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
     assert recorder not in llm.llm_engine.observers
     assert len(load(tmp_path / "r.jsonl")) == steps > 0
+
+
+def test_gzip_recordings_round_trip_and_name_a_cut(tiny_llama, tmp_path):
+    llm = LLM(tiny_llama, dtype="float32")
+    events = []
+    llm.llm_engine.subscribe(events.append)
+    with llm.llm_engine.record(tmp_path / "run.jsonl.gz"):
+        llm.generate(["hello", "there"], SamplingParams(max_tokens=5), use_tqdm=False)
+    recording = load(tmp_path / "run.jsonl.gz")
+    assert recording.complete and recording.events == tuple(events)
+    data = (tmp_path / "run.jsonl.gz").read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut.jsonl.gz: line \d+: "):
+        load(tmp_path / "cut.jsonl.gz")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=r"binary.jsonl: line 1: cannot be read"):
+        load(tmp_path / "binary.jsonl")
