@@ -307,3 +307,33 @@ def test_policy_comparison_shows_the_table_and_each_configurations_run(tiny_llam
     assert "<table" in table.value and image.value[:4] == b"\x89PNG"
     with pytest.raises(TypeError, match="llmlab.experiments.Comparison"):
         PolicyComparison({"lru": {}})
+
+
+def test_a_view_follows_an_async_engine_from_its_loop_thread(tiny_llama):
+    import asyncio
+
+    from llmlab.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", block_size=4,
+                                       num_gpu_blocks_override=48, max_model_len=128)
+    try:
+        view = KVCacheView(engine, keep_frames=True)
+        timeline = SchedulerTimeline(engine)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+        async def main():
+            async def one(i, prompt):
+                return [o async for o in engine.generate(prompt, params, f"r{i}")]
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(3))))
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+        deadline = time.monotonic() + 10
+        while view.frame.num_in_use and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop thread may still be applying the last step's event
+        assert view.frame.num_in_use == 0
+        owners = {r for f in view.frames for r in f.owner_ids() if r is not None}
+        assert owners == {"r0", "r1", "r2"}
+        assert sum(timeline.series.decode_tokens) == 3 * 11  # the first token of each: prefill
+    finally:
+        engine.shutdown()
