@@ -48,6 +48,7 @@ PALETTE = (
 EMPTY_COLOR = "#eeeeee"
 CACHED_COLOR = "#b5b5b5"
 SHARED_MARK = "inset 0 0 0 2px #111"
+PARTIAL_WASH = "rgba(255,255,255,0.6)"
 
 
 def request_color(index: int) -> str:
@@ -303,8 +304,9 @@ class _View:
 class KVCacheView(_View):
     """The block pool as a grid: one cell per block, colored by the request that owns it.
 
-    Shared blocks (prefix hits, parallel samples) carry a dark outline; free blocks whose
-    KV is still in the prefix cache are gray, empty ones near-white. Hovering a cell gives
+    Shared blocks (prefix hits, parallel samples) carry a dark outline; a partly written
+    block (the last of each request) is washed out beyond its filled part; free blocks
+    whose KV is still in the prefix cache are gray, empty ones near-white. Hovering a cell gives
     the block, its owner, tokens stored and ref count. Pools with more than ``max_cells``
     blocks are drawn aggregated: each cell stands for a run of consecutive blocks and shows
     the state most of them are in (and the commonest owner).
@@ -314,7 +316,7 @@ class KVCacheView(_View):
             :class:`~llmlab.viz.recording.Recording` (or its path) to replay.
         max_cells: most cells to draw before aggregating.
         interval: least seconds between two redraws while the engine runs.
-        cell_px: cell size in pixels.
+        cell_px: cell size in pixels (default: 18 for up to 128 cells, 14 up to 512, else 10).
 
     ``frame`` is the current :class:`~llmlab.viz.state.Frame`; ``frames`` keeps every
     frame when ``keep_frames=True`` (for tests and analysis).
@@ -328,10 +330,12 @@ class KVCacheView(_View):
         *,
         max_cells: int = 1024,
         interval: float | None = None,
-        cell_px: int = 10,
+        cell_px: int | None = None,
         keep_frames: bool = False,
     ) -> None:
         for name, value, low in (("max_cells", max_cells, 1), ("cell_px", cell_px, 2)):
+            if value is None and name == "cell_px":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.max_cells = max_cells
@@ -391,7 +395,8 @@ class KVCacheView(_View):
         frame = self.frame if frame is None else frame
         cells = _cells(frame, self.max_cells)
         columns = max(1, min(64, int(np.ceil(np.sqrt(len(cells.color) * 2)))))
-        px = self.cell_px
+        n = len(cells.color)
+        px = self.cell_px or (18 if n <= 128 else 14 if n <= 512 else 10)
         out = [
             '<div class="llmlab-kv" style="font-family:sans-serif;font-size:12px">',
             (
@@ -400,8 +405,17 @@ class KVCacheView(_View):
                 f'gap:1px;margin:4px 0">'
             ),
         ]
-        for color, shared, title in zip(cells.color, cells.shared, cells.title, strict=True):
+        cells_iter = zip(cells.color, cells.shared, cells.title, cells.fill, strict=True)
+        for color, shared, title, fill in cells_iter:
             mark = f";box-shadow:{SHARED_MARK}" if shared else ""
+            if fill < 1.0:
+                # The unfilled part of a partly written block, washed out: the slack
+                # (internal fragmentation) of the last block of each request.
+                pct = round(100 * fill)
+                mark += (
+                    f";background-image:linear-gradient(to right,transparent {pct}%,"
+                    f"{PARTIAL_WASH} {pct}%)"
+                )
             out.append(
                 f'<div class="llmlab-kv-cell" style="background:{color}{mark}" '
                 f'title="{html.escape(title)}"></div>'
@@ -424,6 +438,10 @@ class KVCacheView(_View):
                 f'margin:0 3px 0 8px;vertical-align:middle"></span>'
             )
 
+        half_written = (
+            f"{PALETTE[0]};background-image:linear-gradient(to right,transparent 50%,"
+            f"{PARTIAL_WASH} 50%)"
+        )
         parts = [
             f"<div>step {frame.step_index} · {frame.num_in_use}/{frame.num_blocks} blocks in "
             f"use ({counts['shared']} shared) · {counts['cached']} cached free · "
@@ -439,6 +457,7 @@ class KVCacheView(_View):
             parts.append(f" … {int(np.count_nonzero(held)) - len(top)} more")
         parts.append(
             f"</div><div>{swatch('#ffffff', SHARED_MARK)}shared"
+            f"{swatch(half_written)}partly written"
             f"{swatch(CACHED_COLOR)}cached free (a prefix hit can revive it)"
             f"{swatch(EMPTY_COLOR)}empty</div>"
         )
@@ -456,7 +475,11 @@ class KVCacheView(_View):
         columns = max(1, min(64, int(np.ceil(np.sqrt(n * 2)))))
         rows = -(-n // columns)
         rgb = np.ones((rows * columns, 3))
-        rgb[:n] = [to_rgb(c) for c in cells.color]
+        fill = np.asarray(cells.fill)[:, None]
+        # A partly written block is drawn paler, in proportion to its empty slots.
+        rgb[:n] = np.asarray([to_rgb(c) for c in cells.color]) * (0.4 + 0.6 * fill) + (
+            0.6 * (1 - fill)
+        )
         rgb = rgb.reshape(rows, columns, 3)
         width = min(14.0, 3.5 + columns * 0.2)
         fig = Figure(figsize=(max(7.0, width), 1.4 + rows * 0.2), layout="constrained")
@@ -494,11 +517,13 @@ class KVCacheView(_View):
 
 
 class _Cells:
-    __slots__ = ("blocks_per_cell", "color", "shared", "title")
+    __slots__ = ("blocks_per_cell", "color", "fill", "shared", "title")
 
-    def __init__(self, color, shared, title, blocks_per_cell) -> None:
+    def __init__(self, color, shared, title, blocks_per_cell, fill=None) -> None:
         self.color, self.shared, self.title = color, shared, title
         self.blocks_per_cell = blocks_per_cell
+        # Fraction of a held block's slots that hold tokens (1.0 when aggregated or free).
+        self.fill = [1.0] * len(color) if fill is None else fill
 
 
 def _cells(frame: Frame, max_cells: int) -> _Cells:
@@ -512,7 +537,9 @@ def _cells(frame: Frame, max_cells: int) -> _Cells:
         ]
         shared = (frame.state == SHARED).tolist()
         titles = [frame.describe(b) for b in range(n)]
-        return _Cells(colors, shared, titles, 1)
+        held = frame.refs > 0
+        fill = np.where(held, frame.tokens / frame.block_size, 1.0).tolist()
+        return _Cells(colors, shared, titles, 1, fill)
     colors, shared, titles = [], [], []
     for start in range(0, n, per_cell):
         stop = min(n, start + per_cell)

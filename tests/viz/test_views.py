@@ -42,8 +42,18 @@ def _truth_checker(llm: LLM, view: KVCacheView, failures: list):
     engine = llm.llm_engine
 
     def check(event):
-        truth = engine.snapshot().kv
+        snapshot = engine.snapshot()
+        truth = snapshot.kv
         frame = view.frame
+        bs = snapshot.block_size
+        for rid, table in truth.block_tables.items():
+            computed = snapshot.num_computed[rid]
+            for i, block in enumerate(table):
+                if frame.owner_ids()[block] == rid:
+                    want = bs if truth.cached[block] else min(bs, max(0, computed - i * bs))
+                    if frame.tokens[block] != want:
+                        failures.append(f"step {event.step_index}: block {block} tokens "
+                                        f"{frame.tokens[block]} != {want}")
         if not np.array_equal(frame.refs, truth.ref_counts):
             failures.append(f"step {event.step_index}: ref counts differ")
         if not np.array_equal(frame.indexed, truth.cached):
@@ -63,8 +73,11 @@ def _truth_checker(llm: LLM, view: KVCacheView, failures: list):
 
 
 def _cell_colors(html: str) -> list[tuple[str, bool]]:
-    cells = re.findall(r'class="llmlab-kv-cell" style="background:(#[0-9a-f]{6})([^"]*)"', html)
-    return [(color, "box-shadow" in rest) for color, rest in cells]
+    return [(color, "box-shadow" in rest) for color, rest in _cell_styles(html)]
+
+
+def _cell_styles(html: str) -> list[tuple[str, str]]:
+    return re.findall(r'class="llmlab-kv-cell" style="background:(#[0-9a-f]{6})([^"]*)"', html)
 
 
 def test_frames_match_the_cache_through_hits_forks_preemption_and_eviction(tiny_llama):
@@ -94,19 +107,25 @@ def test_the_grid_colors_exactly_the_blocks_in_use_and_marks_shared_ones(tiny_ll
 
     def look(event):
         frame = view.frame
-        seen.append((frame, _cell_colors(view.html(frame))))
+        seen.append((frame, _cell_styles(view.html(frame))))
 
     llm.llm_engine.subscribe(look)
     llm.generate(_prompts(1), SamplingParams(max_tokens=2), use_tqdm=False)  # caches the prefix
     llm.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    shared_seen = False
+    shared_seen = partial_seen = False
     for frame, cells in seen:
         assert len(cells) == frame.num_blocks
+        partial_seen |= any("gradient" in style for _, style in cells)
         colored = [c for c, _ in cells if c in PALETTE]
         assert len(colored) == frame.num_in_use == int(np.count_nonzero(frame.refs))
-        for block, (color, marked) in enumerate(cells):
+        for block, (color, style) in enumerate(cells):
             state = frame.state[block]
-            assert marked == (state == SHARED)
+            assert ("box-shadow" in style) == (state == SHARED)
+            # A partly written block is washed out past its tokens.
+            partial = state in (USED, SHARED) and frame.tokens[block] < 4
+            assert ("gradient" in style) == partial
+            if partial:
+                assert f"transparent {round(100 * frame.tokens[block] / 4)}%" in style
             if state == CACHED:
                 assert color == CACHED_COLOR
             elif state == EMPTY:
@@ -120,7 +139,7 @@ def test_the_grid_colors_exactly_the_blocks_in_use_and_marks_shared_ones(tiny_ll
             shared = np.flatnonzero(frame.state == SHARED)
             assert (frame.refs[shared] >= 2).all()
             assert (frame.tokens[shared] == 4).all()
-    assert shared_seen
+    assert shared_seen and partial_seen
 
 
 def test_a_preempted_requests_blocks_disappear_in_the_next_frame(tiny_llama):
