@@ -19,7 +19,7 @@ import math
 import pathlib
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -207,13 +207,18 @@ def representative_matmul_shapes(shape: ModelShape) -> list[tuple[int, int, int]
 
 
 def measure_matmul_flops_per_s(
-    rows: int, inner: int, cols: int, num_trials: int = 15, trial_time_s: float = 0.05
+    rows: int,
+    inner: int,
+    cols: int,
+    num_trials: int = 15,
+    trial_time_s: float = 0.05,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
-    """Best float32 ``torch.mm`` rate for one shape over short trials (the best trial, so
+    """Best ``torch.mm`` rate for one shape and dtype over short trials (the best trial, so
     other processes sharing the CPU distort the floor as little as possible)."""
-    a = torch.randn(rows, inner)
-    b = torch.randn(inner, cols)
-    out = torch.empty(rows, cols)
+    a = torch.randn(rows, inner, dtype=dtype)
+    b = torch.randn(inner, cols, dtype=dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
     for _ in range(3):
         torch.mm(a, b, out=out)
     best_s_per_mm = float("inf")
@@ -224,6 +229,44 @@ def measure_matmul_flops_per_s(
             iterations += 1
         best_s_per_mm = min(best_s_per_mm, elapsed / iterations)
     return 2 * rows * inner * cols / best_s_per_mm
+
+
+def measure_cpu_rate_curve(
+    shape: ModelShape,
+    dtype: torch.dtype = torch.float32,
+    rows: Sequence[int] = (1, 4, 16, 64, 256, 1024, 2048),
+    trial_time_s: float = 0.02,
+) -> RateCurve:
+    """The model's own linear-layer matmul rate at several row counts: at each, the
+    FLOP-weighted mean over the layer's projections (q/k/v/o, gate/up, down), each at its
+    best over short trials."""
+    h, ffn = shape.hidden_size, shape.intermediate_size
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    projections = [(h, q + 2 * kv), (q, h), (h, 2 * ffn), (ffn, h)]
+    rates = []
+    for m in rows:
+        flops = seconds = 0.0
+        for inner, cols in projections:
+            rate = measure_matmul_flops_per_s(m, inner, cols, 5, trial_time_s, dtype)
+            work = 2 * m * inner * cols
+            flops += work
+            seconds += work / rate
+        rates.append(flops / seconds)
+    return RateCurve(tuple(rows), tuple(rates))
+
+
+def measure_cpu_read_bytes_per_s(num_bytes: int = 1 << 29, num_trials: int = 7) -> float:
+    """Main-memory read bandwidth: the best time to sum a ``num_bytes`` float32 tensor (far
+    larger than any cache), all threads."""
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    best_s = math.inf
+    for _ in range(num_trials):
+        start = time.perf_counter()
+        x.sum()
+        best_s = min(best_s, time.perf_counter() - start)
+    return num_bytes / best_s
 
 
 # ---------------------------------------------------------------------------- weights
@@ -361,7 +404,9 @@ class StepCostModel:
         )
 
     def bytes(self, work: StepWork) -> int:
-        return self.weight_bytes + work.kv_tokens * self.kv_bytes_per_token
+        """Every weight once, the K/V the step's attention reads (its context), and the
+        K/V its new tokens write."""
+        return self.weight_bytes + (work.kv_tokens + work.num_tokens) * self.kv_bytes_per_token
 
     def flops(self, work: StepWork) -> int:
         return (
@@ -393,14 +438,47 @@ class Roofline:
         return self.num_steps - self.memory_bound_steps
 
 
+@attrs.frozen
+class RateCurve:
+    """A matmul rate that depends on the rows in flight: measured at a few row counts,
+    interpolated linearly in log(rows) between them and flat beyond the ends. A step of 4
+    decode rows cannot reach the rate of a 2,048-row prefill, so each step is floored at
+    the rate of its own size."""
+
+    rows: tuple[int, ...]
+    flops_per_s: tuple[float, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.flops_per_s):
+            raise ValueError("RateCurve needs as many rates as row counts, at least one")
+        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"rows must be increasing and >= 1, got {self.rows}")
+
+    def __call__(self, rows: int) -> float:
+        xs, ys = self.rows, self.flops_per_s
+        if rows <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                t = (math.log(rows) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        return ys[-1]
+
+
 def roofline(
-    work: Sequence[StepWork], costs: StepCostModel, bytes_per_s: float, flops_per_s: float
+    work: Sequence[StepWork],
+    costs: StepCostModel,
+    bytes_per_s: float,
+    flops_per_s: float | Callable[[int], float],
 ) -> Roofline:
+    """Sum of per-step floors. ``flops_per_s``: one rate, or a function of the step's rows
+    through the layers (a :class:`RateCurve`)."""
+    rate = flops_per_s if callable(flops_per_s) else (lambda _rows: flops_per_s)
     total = decode_floor = decode_wall = other_floor = other_wall = 0.0
     memory_bound = decode_steps = total_bytes = total_flops = 0
     for step in work:
         nbytes, flops = costs.bytes(step), costs.flops(step)
-        memory_s, compute_s = nbytes / bytes_per_s, flops / flops_per_s
+        memory_s, compute_s = nbytes / bytes_per_s, flops / rate(step.num_tokens)
         floor = max(memory_s, compute_s)
         total += floor
         total_bytes += nbytes

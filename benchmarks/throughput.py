@@ -49,7 +49,8 @@ at once). Instead of the compute floor it reports:
   (``benchmarks.common.step_work`` and ``roofline``). Each step reads at least every
   weight once (counted from the checkpoint; a tied embedding once, as the lm_head reads
   it; a step that samples nothing is charged the lm_head too, which is negligible) plus
-  the K/V of every scheduled request's context after the step, and does at least its
+  the K/V of every scheduled request's context after the step, and writes the K/V of
+  its new tokens, and does at least its
   matmul FLOPs (``2 * weights * tokens`` through the layers, the lm_head for each sampled
   row, causal attention over the context). Its floor is ``max(bytes / copy bandwidth,
   FLOPs / matmul rate)``, both rates measured in this run: a 1 GiB device-to-device copy

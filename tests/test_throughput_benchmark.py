@@ -15,10 +15,13 @@ from benchmarks import throughput
 from benchmarks.common import (
     ContextTracker,
     ModelShape,
+    RateCurve,
     StepCostModel,
     StepWork,
     checkpoint_numel,
     device_busy_us,
+    measure_cpu_rate_curve,
+    measure_cpu_read_bytes_per_s,
     roofline,
     step_work,
     weight_elements_read,
@@ -162,7 +165,7 @@ def test_step_work_and_roofline_arithmetic():
     assert costs.linear_flops_per_token == 2 * 2 * (4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 8)
     assert costs.lm_head_flops_per_row == 2 * 4 * 10
     assert costs.attention_flops_per_position == 2 * 4 * 2 * 2
-    assert costs.bytes(work[2]) == 2000 + 15 * 16
+    assert costs.bytes(work[2]) == 2000 + (15 + 2) * 16  # weights, K/V read, K/V written
     assert costs.flops(work[2]) == 2 * 576 + 2 * 80 + 15 * 32
 
     # Bandwidth so high that every step is compute-bound, then a rate so high that every
@@ -183,6 +186,27 @@ def test_step_work_and_roofline_arithmetic():
     assert mixed.total_s == pytest.approx(
         sum(max(costs.bytes(w) / 2e6, costs.flops(w) / 1e6) for w in work)
     )
+    # A rate that depends on the step's rows: each step is floored at its own rate.
+    curve = RateCurve((1, 4, 16), (1e3, 4e3, 8e3))
+    assert [curve(r) for r in (1, 2, 4, 8, 16, 100)] == pytest.approx(
+        [1e3, 2.5e3, 4e3, 6e3, 8e3, 8e3]
+    )
+    by_rows = roofline(work, costs, bytes_per_s=1e30, flops_per_s=curve)
+    assert by_rows.total_s == pytest.approx(sum(costs.flops(w) / curve(w.num_tokens) for w in work))
+
+
+def test_rate_curves_are_checked_and_measured_on_the_models_shapes():
+    with pytest.raises(ValueError, match="increasing"):
+        RateCurve((4, 1), (1.0, 2.0))
+    with pytest.raises(ValueError, match="as many rates"):
+        RateCurve((1, 4), (1.0,))
+    shape = ModelShape(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=100,
+    )
+    curve = measure_cpu_rate_curve(shape, rows=(1, 64), trial_time_s=0.002)
+    assert curve.rows == (1, 64) and all(r > 0 for r in curve.flops_per_s)
+    assert measure_cpu_read_bytes_per_s(num_bytes=1 << 22, num_trials=2) > 0
 
 
 @attrs.define
