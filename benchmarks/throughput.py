@@ -1,6 +1,7 @@
 """Offline throughput: llmlab vs Hugging Face ``generate`` vs HF continuous batching, plus a floor.
 
-One process, one random-weight model, one workload, three ways to run it:
+One process, one random-weight model, one workload, four ways to run it, all in the same
+``--dtype`` (float32 on CPU by default, bfloat16 on CUDA):
 
 * ``llmlab``: ``LLM(...).generate`` with one ``SamplingParams`` per request (greedy,
   ``max_tokens`` = the request's output length, ``ignore_eos``); continuous batching over a
@@ -8,7 +9,11 @@ One process, one random-weight model, one workload, three ways to run it:
 * ``hf``: ``model.generate`` in static batches of ``--hf-batch-size`` requests, in request
   order (no sorting by length), left-padded with an attention mask, greedy. A batch runs
   until its longest request is done (``min_new_tokens = max_new_tokens`` keeps EOS from
-  stopping it), so shorter requests in it generate tokens nobody asked for.
+  stopping it), so shorter requests in it generate tokens nobody asked for. HF's default
+  dynamic KV cache.
+* ``hf-static``: the same with a static KV cache (``cache_implementation="static"``), HF's
+  fastest mode on CPU, swept over ``--hf-batch-sizes`` (each size timed on the whole
+  workload); the fastest size is the result. "best HF" is the fastest HF mode run.
 * ``hf-cb``: transformers' own continuous batching (``transformers.generation.
   continuous_batching``). ``model.generate_batch`` takes a single ``max_new_tokens`` for all
   requests, but the manager underneath it accepts one per request, so by default we drive the
@@ -22,8 +27,9 @@ Fairness choices:
   a mode generated beyond it. Total tokens/s adds the prompt tokens (same for every mode).
 * Timed: the generation call only. Not timed: loading the model, building llmlab's engine
   and HF's continuous-batching manager (both allocate their KV cache there). ``--warmup``
-  first runs each mode on the first few requests with short outputs, so one-time costs
-  (first kernel calls, allocator growth) are not timed either.
+  (on by default) first runs each mode on a few short requests drawn from another seed, so
+  one-time costs (first kernel calls, allocator growth) are not timed either, and no timed
+  prompt is already in llmlab's prefix cache.
 * Both paged engines get a KV cache that holds every request's full sequence at once (no
   preemption in either), the same token budget per step (``--max-num-batched-tokens``) and
   the same cap on running requests (``--max-num-seqs``). llmlab runs with
@@ -35,9 +41,16 @@ Fairness choices:
 
 Compute floor: the workload's matmul FLOPs (see ``benchmarks.common.count_workload_flops``:
 prefill tokens and every fed-back output token through all linear layers, the lm_head once
-per output token, causal attention score and value matmuls) divided by the best float32
-``torch.mm`` rate measured in this run on the workload's own shapes. No float32 torch engine
-can run faster than that floor; 100% of it would mean zero overhead.
+per output token, causal attention score and value matmuls) divided by the best
+``torch.mm`` rate measured in this run on the workload's own shapes, in ``--dtype``.
+
+Per-step roofline (CPU; the CUDA one below has the same shape): for each of llmlab's timed
+steps, from its ``StepEvent``, the larger of its bytes (every weight once, the K/V its
+attention reads, the K/V its new tokens write) over the measured main-memory read
+bandwidth, and its FLOPs over the matmul rate measured at that step's row count on the
+model's own projections (``benchmarks.common.RateCurve``: a 4-row decode step cannot
+reach a 2,048-row prefill's rate). llmlab's fraction is the sum of the floors over its
+wall time.
 
 ``--device cuda``: the defaults switch to the GPU workload (a Qwen3-0.6B-shaped
 random-weight model in bfloat16, 256 requests with prompt and output lengths U[100, 1024],
@@ -108,6 +121,8 @@ from benchmarks.common import (
     cuda_matmul_shapes,
     device_busy_us,
     make_workload,
+    measure_cpu_rate_curve,
+    measure_cpu_read_bytes_per_s,
     measure_cuda_copy_bytes_per_s,
     measure_cuda_matmul_flops_per_s,
     measure_matmul_flops_per_s,
@@ -117,10 +132,11 @@ from benchmarks.common import (
     weight_elements_read,
 )
 
-MODES = ("llmlab", "hf", "hf-cb")
+MODES = ("llmlab", "hf", "hf-static", "hf-cb")
+HF_MODES = ("hf", "hf-static", "hf-cb")
 HF_CB_PAGE_SIZE = 256  # transformers' default page size for continuous batching
 WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS = 4, 8
-DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Defaults that depend on --device. CPU: the workload BENCHMARKS.md's CPU numbers come from.
 # CUDA: the GPU workload (Qwen3-0.6B shape, 256 requests, U[100, 1024] in and out). HF's
@@ -133,7 +149,9 @@ DEVICE_DEFAULTS = {
         "output_len_range": (16, 128),
         "max_num_batched_tokens": 2048,
         "only": ",".join(MODES),
-        "warmup": False,
+        "warmup": True,
+        "dtype": "float32",
+        "hf_batch_sizes": "16,32,64",
     },
     "cuda": {
         "num_requests": 256,
@@ -142,6 +160,8 @@ DEVICE_DEFAULTS = {
         "max_num_batched_tokens": 8192,
         "only": "llmlab,hf",
         "warmup": True,
+        "dtype": "bfloat16",
+        "hf_batch_sizes": "64",
     },
 }
 
@@ -170,9 +190,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
+        "--dtype", choices=tuple(DTYPES),
+        help="weights, activations and KV cache, for llmlab and HF alike (default: float32 on "
+        "cpu, bfloat16 on cuda)",
+    )
+    parser.add_argument(
+        "--hf-batch-sizes",
+        help="hf-static: batch sizes to sweep, each timed on the whole workload; the best is "
+        "reported (default: 16,32,64 on cpu, 64 on cuda)",
+    )
+    parser.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
-        help="untimed short run of each mode first (default: off on cpu, on on cuda)",
+        help="untimed short run of each mode first, on prompts outside the workload "
+        "(default: on)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
     parser.add_argument("--model-dir", type=pathlib.Path, help="reuse/write the model here")
@@ -218,6 +249,9 @@ def apply_device_defaults(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     args.prompt_len_range = tuple(args.prompt_len_range)
     args.output_len_range = tuple(args.output_len_range)
+    if isinstance(args.hf_batch_sizes, str):
+        args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
+    args.torch_dtype = DTYPES[args.dtype]
 
 
 @attrs.frozen
@@ -249,7 +283,8 @@ def kv_tokens_needed(workload: Workload, page_size: int) -> int:
 def warmup_workload(
     mode: str, workload: Workload, args: argparse.Namespace, vocab_size: int
 ) -> Workload:
-    """What ``--warmup`` runs before timing ``mode`` (see the module docstring)."""
+    """What ``--warmup`` runs before timing ``mode`` (see the module docstring): prompts
+    drawn from another seed, so no mode finds any of the timed prompts in a cache."""
     if args.device == "cuda" and mode == "llmlab":
         return decode_sweep_workload(
             min(workload.num_requests, args.max_num_seqs),
@@ -257,7 +292,10 @@ def warmup_workload(
             vocab_size,
             args.prompt_len_range,
         )
-    return workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS)
+    return make_workload(
+        WARMUP_REQUESTS, args.seed + 1, vocab_size, args.prompt_len_range,
+        (1, WARMUP_OUTPUT_TOKENS),
+    )  # fmt: skip
 
 
 def decode_sweep_workload(
@@ -291,7 +329,7 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         # KV cache: what gpu_memory_utilization leaves after weights and activations.
         return LLM(
             str(model_dir),
-            dtype="bfloat16",
+            dtype=args.dtype,
             seed=0,
             device="cuda",
             max_num_seqs=args.max_num_seqs,
@@ -303,13 +341,12 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         )
     hf_config = _hf_config(model_dir)
     shape = ModelShape.from_hf_config(hf_config)
-    float32_bytes = 4
-    kv_bytes_per_token = shape.kv_bytes_per_token(float32_bytes)
+    kv_bytes_per_token = shape.kv_bytes_per_token(args.torch_dtype.itemsize)
     # llmlab insists that one max-length sequence fits, even when no request is that long.
     kv_tokens = max(kv_tokens_needed(workload, args.block_size), hf_config.max_position_embeddings)
     return LLM(
         str(model_dir),
-        dtype="float32",
+        dtype=args.dtype,
         seed=0,
         device="cpu",
         max_num_seqs=args.max_num_seqs,
@@ -476,7 +513,23 @@ def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
 # ---------------------------------------------------------------------------- HF static
 
 
-def run_hf_static(model, workload: Workload, batch_size: int) -> RunResult:
+def run_hf_static_cache_sweep(model, workload: Workload, batch_sizes: list[int]) -> RunResult:
+    """HF at its best: ``generate`` with a static KV cache, the whole workload at each batch
+    size; the fastest is the result (its note lists every size's time)."""
+    runs = [
+        run_hf_static(model, workload, batch_size=b, cache_implementation="static")
+        for b in batch_sizes
+    ]
+    best = min(runs, key=lambda r: r.wall_s)
+    times = ", ".join(f"{b}: {r.wall_s:.2f} s" for b, r in zip(batch_sizes, runs, strict=True))
+    return attrs.evolve(best, mode="hf-static", note=f"static cache, batch sizes {times}")
+
+
+def run_hf_static(
+    model, workload: Workload, batch_size: int, cache_implementation: str | None = None
+) -> RunResult:
+    """HF ``generate`` over static batches (dynamic KV cache unless ``cache_implementation``
+    says otherwise)."""
     from transformers import GenerationConfig
 
     pad_id = 0
@@ -487,7 +540,8 @@ def run_hf_static(model, workload: Workload, batch_size: int) -> RunResult:
         max_new = max(workload.output_lens[first : first + batch_size])
         input_ids, attention_mask = _left_pad(prompts, pad_id)
         config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id
+            do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id,
+            cache_implementation=cache_implementation,
         )
         with torch.inference_mode():
             out = model.generate(
@@ -630,11 +684,13 @@ def _check_lengths(mode: str, generated: list[int], requested: list[int]) -> Non
 # ---------------------------------------------------------------------------- floor
 
 
-def measure_floor(model_dir: pathlib.Path, workload: Workload) -> dict:
+def measure_floor(
+    model_dir: pathlib.Path, workload: Workload, dtype: torch.dtype = torch.float32
+) -> dict:
     shape = ModelShape.from_hf_config(_hf_config(model_dir))
     flops = count_workload_flops(shape, workload)
     rates = {
-        f"[{m}x{k}]@[{k}x{n}]": measure_matmul_flops_per_s(m, k, n)
+        f"[{m}x{k}]@[{k}x{n}]": measure_matmul_flops_per_s(m, k, n, dtype=dtype)
         for m, k, n in representative_matmul_shapes(shape)
     }
     best_shape = max(rates, key=rates.get)
@@ -668,9 +724,15 @@ def measure_device_rates(shape: ModelShape, args: argparse.Namespace) -> dict:
 
 
 def compute_roofline(
-    events: list, model_dir: pathlib.Path, rates: dict, workload: Workload, dtype: torch.dtype
+    events: list,
+    model_dir: pathlib.Path,
+    rates: dict,
+    workload: Workload,
+    dtype: torch.dtype,
+    flops_per_s=None,
 ) -> dict:
-    """The roofline of llmlab's timed run (see the module docstring), as a JSON-able dict."""
+    """The roofline of llmlab's timed run (see the module docstring), as a JSON-able dict.
+    ``flops_per_s``: a rate per step size (a ``RateCurve``) instead of the single best."""
     shape = ModelShape.from_hf_config(_hf_config(model_dir))
     weight_elements = weight_elements_read(checkpoint_numel(model_dir))
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -682,7 +744,8 @@ def compute_roofline(
             f"the StepEvents sampled {sampled} tokens, the workload asked for "
             f"{workload.num_output_tokens}: the events do not cover the timed run"
         )
-    line = roofline(work, costs, rates["copy_bytes_per_s"], rates["best_matmul_flops_per_s"])
+    rate = rates["best_matmul_flops_per_s"] if flops_per_s is None else flops_per_s
+    line = roofline(work, costs, rates["copy_bytes_per_s"], rate)
     return attrs.asdict(line) | {
         "weight_elements": weight_elements,
         "weight_bytes": costs.weight_bytes,
@@ -729,15 +792,17 @@ def prepare_mode(mode: str, model_dir: pathlib.Path, workload: Workload, args):
                 f"{kv_tokens_needed(workload, args.block_size)} at once",
                 flush=True,
             )
-        return LlmlabRunner(llm, record_steps=args.device == "cuda")
+        return LlmlabRunner(llm, record_steps=True)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=DTYPES[args.device], attn_implementation="sdpa"
+        model_dir, dtype=args.torch_dtype, attn_implementation="sdpa"
     )
     model = model.to(args.device).eval()
     if mode == "hf":
         return lambda w: run_hf_static(model, w, batch_size=args.hf_batch_size)
+    if mode == "hf-static":
+        return lambda w: run_hf_static_cache_sweep(model, w, args.hf_batch_sizes)
     return lambda w: run_hf_continuous(model, w, args=args)
 
 
@@ -770,9 +835,10 @@ def run_mode(
             + (f" | {result.note}" if result.note else ""),
             flush=True,
         )
-        if report is not None and isinstance(run, LlmlabRunner) and args.device == "cuda":
+        if report is not None and isinstance(run, LlmlabRunner):
             report["llmlab_events"] = run.events
-            report["decode_split"] = _decode_split_or_error(run.llm, workload, args)
+            if args.device == "cuda":
+                report["decode_split"] = _decode_split_or_error(run.llm, workload, args)
         return result
     finally:
         del run
@@ -806,7 +872,7 @@ def print_results(results: dict[str, RunResult]) -> None:
             f"{r.total_tokens_per_s:12.1f} {r.generated_tokens:10d}"
         )
     tps = {mode: r.output_tokens_per_s for mode, r in results.items()}
-    hf_modes = [m for m in ("hf", "hf-cb") if m in tps]
+    hf_modes = [m for m in HF_MODES if m in tps]
     best_hf = max(hf_modes, key=tps.get) if hf_modes else None
     if "llmlab" in tps:
         for other in hf_modes:
@@ -818,7 +884,7 @@ def print_results(results: dict[str, RunResult]) -> None:
 def print_summary(results: dict[str, RunResult], floor: dict) -> None:
     print_results(results)
     tps = {mode: r.output_tokens_per_s for mode, r in results.items()}
-    hf_modes = [m for m in ("hf", "hf-cb") if m in tps]
+    hf_modes = [m for m in HF_MODES if m in tps]
     best_hf = max(hf_modes, key=tps.get) if hf_modes else None
 
     flops = floor["flops"]
@@ -828,7 +894,7 @@ def print_summary(results: dict[str, RunResult], floor: dict) -> None:
         f"lm_head {flops['lm_head'] / 1e9:.1f}, attention {flops['attention'] / 1e9:.1f})"
     )
     for shape, rate in floor["matmul_flops_per_s"].items():
-        print(f"  torch.mm fp32 {shape}: {rate / 1e9:.1f} GFLOP/s")
+        print(f"  torch.mm {shape}: {rate / 1e9:.1f} GFLOP/s")
     rate = floor["matmul_flops_per_s"][floor["rate_shape"]]
     print(f"floor rate: best of the above, {floor['rate_shape']} at {rate / 1e9:.1f} GFLOP/s")
     print(
@@ -843,6 +909,30 @@ def print_summary(results: dict[str, RunResult], floor: dict) -> None:
         print(
             f"floor / best HF ({best_hf}): {floor['floor_output_tokens_per_s'] / tps[best_hf]:.2f}x"
         )
+
+
+def print_cpu_roofline(results: dict[str, RunResult], rates: dict, line: dict | None) -> None:
+    print("\n== per-step roofline (llmlab's steps, from its StepEvents)")
+    print(f"read bandwidth: {rates['read_bytes_per_s'] / 1e9:.1f} GB/s (sum of 512 MiB, best of 7)")
+    points = ", ".join(
+        f"{rows}: {rate / 1e9:.0f}"
+        for rows, rate in zip(rates["matmul_rows"], rates["matmul_flops_per_s"], strict=True)
+    )
+    print(f"matmul GFLOP/s by rows (the model's projections): {points}")
+    if line is None or "llmlab" not in results:
+        print("no llmlab run: no roofline")
+        return
+    wall = results["llmlab"].wall_s
+    print(
+        f"floor: {line['total_s']:.2f} s over {line['num_steps']} steps "
+        f"({line['memory_bound_steps']} memory-bound): weights + K/V read + K/V written over "
+        "bandwidth, or FLOPs over the rate at the step's rows, whichever is larger"
+    )
+    print(
+        f"decode steps: floor {line['decode_floor_s']:.2f} s vs wall {line['decode_wall_s']:.2f} s;"
+        f" other steps: floor {line['other_floor_s']:.2f} s vs wall {line['other_wall_s']:.2f} s"
+    )
+    print(f"llmlab achieves {line['total_s'] / wall:.1%} of the per-step roofline")
 
 
 def print_cuda_report(
@@ -925,7 +1015,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     cuda = args.device == "cuda"
-    dtype = DTYPES[args.device]
+    dtype = args.torch_dtype
     with tempfile.TemporaryDirectory(prefix="llmlab-bench-") as tmp:
         model_dir = args.model_dir or pathlib.Path(tmp) / "model"
         if not (model_dir / "config.json").is_file():
@@ -959,7 +1049,14 @@ def main(argv: list[str] | None = None) -> None:
             rates = measure_device_rates(shape, args)
             extras["device_rates"] = rates
         else:
-            extras["floor"] = measure_floor(model_dir, workload)
+            extras["floor"] = measure_floor(model_dir, workload, dtype)
+            curve = measure_cpu_rate_curve(shape, dtype)
+            rates = {"copy_bytes_per_s": measure_cpu_read_bytes_per_s(), "curve": curve}
+            extras["cpu_rates"] = {
+                "read_bytes_per_s": rates["copy_bytes_per_s"],
+                "matmul_rows": list(curve.rows),
+                "matmul_flops_per_s": list(curve.flops_per_s),
+            }
         report: dict = {}
         results = {}
         for mode in args.modes:
@@ -982,6 +1079,13 @@ def main(argv: list[str] | None = None) -> None:
             print_cuda_report(results, rates, line, extras["decode_split"])
         else:
             print_summary(results, extras["floor"])
+            line = None
+            if "llmlab_events" in report:
+                line = compute_roofline(
+                    report["llmlab_events"], model_dir, rates, workload, dtype, rates["curve"]
+                )
+            extras["roofline"] = line
+            print_cpu_roofline(results, extras["cpu_rates"], line)
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
     if args.json:
@@ -993,7 +1097,10 @@ def write_json(path: pathlib.Path, args, workload: Workload, results: dict, extr
     """Args, workload, per-mode results, and ``extras``: ``floor`` on CPU; ``device_rates``,
     ``roofline`` and ``decode_split`` on CUDA."""
     payload = {
-        "args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+        "args": {
+            k: str(v) if isinstance(v, (pathlib.Path, torch.dtype)) else v
+            for k, v in vars(args).items()
+        },
         "workload": {
             "num_requests": workload.num_requests,
             "prompt_tokens": workload.num_prompt_tokens,

@@ -43,9 +43,22 @@ def test_cpu_defaults_are_the_documented_cpu_workload():
     assert args.num_requests == 64
     assert args.prompt_len_range == (16, 256) and args.output_len_range == (16, 128)
     assert args.max_num_batched_tokens == 2048
-    assert args.modes == ["llmlab", "hf", "hf-cb"]
-    assert args.warmup is False
-    assert throughput.parse_args(["--warmup"]).warmup is True
+    assert args.modes == ["llmlab", "hf", "hf-static", "hf-cb"]
+    assert args.warmup is True  # on prompts outside the workload
+    assert throughput.parse_args(["--no-warmup"]).warmup is False
+    assert (args.dtype, args.torch_dtype) == ("float32", torch.float32)
+    assert args.hf_batch_sizes == [16, 32, 64]
+    args = throughput.parse_args(["--dtype", "bfloat16", "--hf-batch-sizes", "8,24"])
+    assert (args.torch_dtype, args.hf_batch_sizes) == (torch.bfloat16, [8, 24])
+
+
+def test_warmup_prompts_are_outside_the_workload():
+    args = throughput.parse_args(["--num-requests", "16"])
+    workload = throughput.make_workload(16, args.seed, 8000, args.prompt_len_range)
+    warm = throughput.warmup_workload("llmlab", workload, args, 8000)
+    timed = {tuple(p[:16]) for p in workload.prompts}
+    assert warm.num_requests == throughput.WARMUP_REQUESTS
+    assert not any(tuple(p[:16]) in timed for p in warm.prompts)
 
 
 def test_cuda_switches_the_defaults(monkeypatch):
@@ -58,7 +71,7 @@ def test_cuda_switches_the_defaults(monkeypatch):
     assert args.gpu_memory_utilization == 0.85
     assert args.modes == ["llmlab", "hf"]
     assert args.warmup is True
-    assert throughput.DTYPES[args.device] == torch.bfloat16
+    assert args.torch_dtype == torch.bfloat16
     # Anything given explicitly wins over the device's default.
     args = throughput.parse_args(
         ["--device", "cuda", "--num-requests", "8", "--no-warmup", "--only", "hf-cb",
@@ -400,3 +413,22 @@ def test_the_cuda_path_end_to_end_with_stand_ins_for_the_gpu(
     assert decode["batch"] == 4 and decode["gpu_ms"] == 0.5
     assert decode["host_ms"] == pytest.approx(decode["wall_ms"] - 0.5)
     assert decode["profiled_wall_ms"] == pytest.approx(1.0)
+
+
+def test_the_cpu_path_end_to_end_prints_best_hf_and_the_roofline(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    throughput.main([
+        "--model-dir", tiny_llama, "--num-requests", "4", "--only", "llmlab,hf,hf-static",
+        "--hf-batch-size", "4", "--hf-batch-sizes", "2,4", "--prompt-len-range", "8", "16",
+        "--output-len-range", "2", "6", "--json", str(out),
+    ])
+    text = capsys.readouterr().out
+    assert "static cache, batch sizes 2: " in text and ", 4: " in text
+    assert "llmlab / best HF (" in text
+    assert "of the per-step roofline" in text
+    payload = json.loads(out.read_text())
+    assert set(payload["results"]) == {"llmlab", "hf", "hf-static"}
+    line = payload["roofline"]
+    assert line["num_steps"] > 0 and 0 < line["total_s"]
+    assert payload["cpu_rates"]["read_bytes_per_s"] > 0
+    assert payload["args"]["torch_dtype"] == "torch.float32"
