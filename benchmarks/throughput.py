@@ -220,6 +220,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="llmlab: no CUDA graphs for decode steps"
     )
+    parser.add_argument(
+        "--cpu-linear", choices=("auto", "onednn", "plain"),
+        help="llmlab on CPU: prepacked oneDNN linears or F.linear (default: the engine's auto)",
+    )
     cuda = parser.add_argument_group("cuda only")
     cuda.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     cuda.add_argument(
@@ -325,6 +329,8 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         extra["attention_backend"] = args.attention_backend
     if args.enforce_eager:
         extra["enforce_eager"] = True
+    if args.cpu_linear is not None:
+        extra["cpu_linear"] = args.cpu_linear
     if args.device == "cuda":
         # KV cache: what gpu_memory_utilization leaves after weights and activations.
         return LLM(

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         engine_args = argparse.Namespace(
             device="cpu", attention_backend=None, enforce_eager=False, max_num_seqs=256,
             max_num_batched_tokens=defaults["max_num_batched_tokens"], block_size=16,
+            dtype="float32", torch_dtype=torch.float32, cpu_linear=None,
         )  # fmt: skip
         llm = build_llmlab(model_dir, workload, engine_args)
         steps = []

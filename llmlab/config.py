@@ -110,6 +110,10 @@ class EngineConfig:
         max_logprobs: most logprobs a request may ask for; -1 means no limit.
         enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
             (captured per padded batch size on first use, with the Triton backend).
+        cpu_linear: on CPU, how linear layers run: ``"onednn"`` reorders every weight once
+            at load time into oneDNN's blocked layout (faster, float32 results equal to
+            rounding), ``"plain"`` uses ``F.linear``; ``"auto"`` is oneDNN when this torch
+            build has it.
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -188,6 +192,12 @@ class EngineConfig:
     )
     trust_remote_code: bool = attrs.field(default=False, converter=_flag("trust_remote_code"))
     enforce_eager: bool = attrs.field(default=False, converter=_flag("enforce_eager"))
+    cpu_linear: str = attrs.field(
+        default="auto",
+        converter=functools.partial(
+            as_choice, "cpu_linear", choices=("auto", "onednn", "plain")
+        ),
+    )
     disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
     swap_space: float = attrs.field(
         default=4.0, converter=functools.partial(as_real, "swap_space", min=0)

@@ -34,6 +34,7 @@ from llmlab.config import EngineConfig
 from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
 from llmlab.engine.model_runner import ModelRunner
+from llmlab.models.cpu_linear import onednn_unavailable_reason, prepack_linears
 from llmlab.models.loader import (
     load_model,
     load_tokenizer,
@@ -124,7 +125,15 @@ class EngineBuilder:
                 "every prompt fits one step"
             )
 
+        prepack = False
+        if device.type == "cpu" and cfg.cpu_linear != "plain":
+            reason = onednn_unavailable_reason()
+            if cfg.cpu_linear == "onednn" and reason is not None:
+                raise ValueError(f"cpu_linear='onednn' cannot run: {reason}; use 'plain'")
+            prepack = reason is None
         model = load_model(model_path, hf_config, dtype, device)
+        if prepack:
+            prepack_linears(model)
         tokenizer = None
         if not cfg.skip_tokenizer_init:
             tokenizer = load_tokenizer(

@@ -89,6 +89,10 @@ class PagedCausalLMBase(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The LM head in oneDNN's layout, when ``cpu_linear.prepack_linears`` made one.
+        packed = self._modules.get("packed_head")
+        if packed is not None:
+            return packed(hidden).float()
         head = self.input_embedding().weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
 
