@@ -130,7 +130,9 @@ class EngineBuilder:
             reason = onednn_unavailable_reason()
             if cfg.cpu_linear == "onednn" and reason is not None:
                 raise ValueError(f"cpu_linear='onednn' cannot run: {reason}; use 'plain'")
-            prepack = reason is None
+            # "auto" packs float32 only: measured 1.2-1.3x there; in bfloat16, where
+            # F.linear already runs on oneDNN, no gain showed (BENCHMARKS.md, issue 12).
+            prepack = reason is None and (cfg.cpu_linear == "onednn" or dtype == torch.float32)
         model = load_model(model_path, hf_config, dtype, device)
         if prepack:
             prepack_linears(model)

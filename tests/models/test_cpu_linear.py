@@ -74,3 +74,12 @@ def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
         LLM(tiny_llama, cpu_linear="onednn")
     # "auto" falls back to the plain path.
     assert _model(LLM(tiny_llama, dtype="float32"))._modules.get("packed_head") is None
+
+
+def test_auto_packs_float32_models_only(tiny_llama):
+    def packed(llm):
+        return _model(llm)._modules.get("packed_head") is not None
+
+    assert packed(LLM(tiny_llama, dtype="float32"))
+    assert not packed(LLM(tiny_llama, dtype="bfloat16"))
+    assert packed(LLM(tiny_llama, dtype="bfloat16", cpu_linear="onednn"))
