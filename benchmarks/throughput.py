@@ -331,37 +331,25 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         extra["enforce_eager"] = True
     if args.cpu_linear is not None:
         extra["cpu_linear"] = args.cpu_linear
+    shared = dict(
+        dtype=args.dtype,
+        seed=0,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        skip_tokenizer_init=True,
+        **extra,
+    )
     if args.device == "cuda":
         # KV cache: what gpu_memory_utilization leaves after weights and activations.
-        return LLM(
-            str(model_dir),
-            dtype=args.dtype,
-            seed=0,
-            device="cuda",
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            skip_tokenizer_init=True,
-            **extra,
-        )
+        return LLM(str(model_dir), gpu_memory_utilization=args.gpu_memory_utilization, **shared)
     hf_config = _hf_config(model_dir)
     shape = ModelShape.from_hf_config(hf_config)
     kv_bytes_per_token = shape.kv_bytes_per_token(args.torch_dtype.itemsize)
     # llmlab insists that one max-length sequence fits, even when no request is that long.
     kv_tokens = max(kv_tokens_needed(workload, args.block_size), hf_config.max_position_embeddings)
-    return LLM(
-        str(model_dir),
-        dtype=args.dtype,
-        seed=0,
-        device="cpu",
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token,
-        skip_tokenizer_init=True,
-        **extra,
-    )
+    return LLM(str(model_dir), kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token, **shared)
 
 
 def run_llmlab(llm, workload: Workload) -> RunResult:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import logging
 import os
 import pathlib
 import time
@@ -34,8 +33,6 @@ import numpy as np
 from llmlab.cache.kv_cache_manager import CacheSnapshot
 from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.scheduler.batch import Admission
-
-logger = logging.getLogger(__name__)
 
 FORMAT = "llmlab.recording"
 VERSION = 1

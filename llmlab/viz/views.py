@@ -111,16 +111,11 @@ class _View:
             self._engine = _engine_of(source)
             self._events = ()
             self.position = None
-            # Set the model up before any event can arrive.
-            self._snapshot = None
-            self._engine_snapshot_then_subscribe()
-
-    def _engine_snapshot_then_subscribe(self) -> None:
-        engine = self._engine
-        with engine._lock:
-            self._snapshot = engine.snapshot()
-            self._reset(self._snapshot)
-            engine.subscribe(self._on_event)
+            # Holding the engine's (reentrant) lock until the model is set up: no event can
+            # arrive before it.
+            with self._engine._lock:
+                self._snapshot = self._engine.observe(self._on_event)
+                self._reset(self._snapshot)
 
     # -- live ------------------------------------------------------------------------
 
@@ -361,13 +356,12 @@ class KVCacheView(_View):
 
     def _seek(self, position: int) -> None:
         current = self.position or 0
-        if position < current or position - current > self._CHECKPOINT_EVERY:
-            base = max((p for p in self._checkpoints if p <= position), default=0)
-            if base > current or position < current:
-                self._state = (
-                    self._checkpoints[base].copy() if base else KVCacheState(self._snapshot)
-                )
-                current = base
+        # Restart from the latest checkpoint at or before ``position`` when going back, or
+        # when it lies ahead of where we are.
+        base = max((p for p in self._checkpoints if p <= position), default=0)
+        if position < current or base > current:
+            self._state = self._checkpoints[base].copy() if base else KVCacheState(self._snapshot)
+            current = base
         for i in range(current, position):
             self._state.apply(self._events[i])
             if (i + 1) % self._CHECKPOINT_EVERY == 0 and i + 1 not in self._checkpoints:
