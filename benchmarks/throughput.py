@@ -52,11 +52,29 @@ model's own projections (``benchmarks.common.RateCurve``: a 4-row decode step ca
 reach a 2,048-row prefill's rate). llmlab's fraction is the sum of the floors over its
 wall time.
 
+Host work per decode step (CPU): everything a decode step does but the model math, at 64
+running sequences; the target is <= 1.5 ms. A short second llmlab pass after the timed run
+(not part of the throughput) queues ``--decode-batch`` requests (64 on CPU, capped by the
+workload and ``--max-num-seqs``; the workload's first prompts, greedy, enough output tokens
+to outlast the pass), steps the engine until a step decodes all of them, then times
+``--decode-steps`` (16 on CPU) steps by wall clock. During those steps the model's
+``forward`` (what ``model(...)`` calls; patched on the instance) and ``compute_logits`` are
+wrapped in ``time.perf_counter`` accumulators, restored afterwards. On CPU the math is
+synchronous, so the time inside those two calls is the model math: every layer, attention
+included, and the lm_head. Host work per step is the mean wall time per step minus the
+mean math time per step: scheduling and KV-cache bookkeeping, building the flat inputs and
+the attention metadata, sampling (its tensor work included), output processing and the
+step's events. No profiler runs on CPU. The StepEvents' own mean step and model-runner
+times are reported beside it, as is the timed run's pure-decode step time. llmlab's KV
+cache is sized to hold these requests too: a measured step that is not a pure decode of
+the whole batch (a preemption) makes the pass fail.
+
 ``--device cuda``: the defaults switch to the GPU workload (a Qwen3-0.6B-shaped
 random-weight model in bfloat16, 256 requests with prompt and output lengths U[100, 1024],
-8192-token steps, HF static batches of 64, modes ``llmlab,hf``, warmup on). llmlab's KV
-cache is what ``--gpu-memory-utilization`` leaves (printed beside what the workload needs
-at once). Instead of the compute floor it reports:
+8192-token steps, HF static batches of 64, modes ``llmlab,hf``, warmup on, a decode split
+over 256 requests and 32 steps). llmlab's KV cache is what ``--gpu-memory-utilization``
+leaves (printed beside what the workload needs at once). Instead of the compute floor it
+reports:
 
 * Roofline, per step, from the ``StepEvent``s of llmlab's timed run
   (``benchmarks.common.step_work`` and ``roofline``). Each step reads at least every
@@ -100,6 +118,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -137,6 +156,8 @@ HF_MODES = ("hf", "hf-static", "hf-cb")
 HF_CB_PAGE_SIZE = 256  # transformers' default page size for continuous batching
 WARMUP_REQUESTS, WARMUP_OUTPUT_TOKENS = 4, 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# CPU: what the host may spend per decode step at 64 sequences, outside the model math.
+CPU_HOST_TARGET_MS = 1.5
 
 # Defaults that depend on --device. CPU: the workload BENCHMARKS.md's CPU numbers come from.
 # CUDA: the GPU workload (Qwen3-0.6B shape, 256 requests, U[100, 1024] in and out). HF's
@@ -152,6 +173,8 @@ DEVICE_DEFAULTS = {
         "warmup": True,
         "dtype": "float32",
         "hf_batch_sizes": "16,32,64",
+        "decode_batch": 64,
+        "decode_steps": 16,
     },
     "cuda": {
         "num_requests": 256,
@@ -162,6 +185,8 @@ DEVICE_DEFAULTS = {
         "warmup": True,
         "dtype": "bfloat16",
         "hf_batch_sizes": "64",
+        "decode_batch": 256,
+        "decode_steps": 32,
     },
 }
 
@@ -224,17 +249,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-linear", choices=("auto", "onednn", "plain"),
         help="llmlab on CPU: prepacked oneDNN linears or F.linear (default: the engine's auto)",
     )
+    parser.add_argument(
+        "--decode-batch", type=int,
+        help="running requests for the decode step split after llmlab's timed run: host "
+        "work vs model math on cpu, GPU/host on cuda (capped by the workload and "
+        "--max-num-seqs; default: 64 on cpu, 256 on cuda); 0 skips it",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int,
+        help="decode steps timed for that split (on cuda as many more are profiled; "
+        "default: 16 on cpu, 32 on cuda)",
+    )
     cuda = parser.add_argument_group("cuda only")
     cuda.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    cuda.add_argument(
-        "--decode-batch", type=int, default=256,
-        help="running requests for the decode GPU/host split (capped by the workload and "
-        "--max-num-seqs); 0 skips it",
-    )
-    cuda.add_argument(
-        "--decode-steps", type=int, default=32,
-        help="decode steps timed, and as many profiled, for the GPU/host split",
-    )
     args = parser.parse_args(argv)
     apply_device_defaults(args)
     args.modes = [m.strip() for m in args.only.split(",") if m.strip()]
@@ -347,8 +374,14 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
     hf_config = _hf_config(model_dir)
     shape = ModelShape.from_hf_config(hf_config)
     kv_bytes_per_token = shape.kv_bytes_per_token(args.torch_dtype.itemsize)
-    # llmlab insists that one max-length sequence fits, even when no request is that long.
-    kv_tokens = max(kv_tokens_needed(workload, args.block_size), hf_config.max_position_embeddings)
+    # Room for the timed run and, after it, for the decode split's requests (no preemption
+    # in either). llmlab insists that one max-length sequence fits, even when no request is
+    # that long.
+    kv_tokens = max(
+        kv_tokens_needed(workload, args.block_size),
+        kv_tokens_needed(decode_split_workload(workload, args), args.block_size),
+        hf_config.max_position_embeddings,
+    )
     return LLM(str(model_dir), kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token, **shared)
 
 
@@ -389,30 +422,70 @@ class LlmlabRunner:
             engine.unsubscribe(observer)
 
 
+def decode_split_lengths(
+    prompts: list[list[int]],
+    num_steps: int,
+    max_num_batched_tokens: int,
+    max_settle_steps: int | None = None,
+) -> tuple[int, int]:
+    """``measure_decode_split``'s (steps allowed to reach a full decode batch, output
+    tokens each request asks for): enough to outlast settling, timing and profiling."""
+    if max_settle_steps is None:
+        max_settle_steps = -(-sum(len(p) for p in prompts) // max_num_batched_tokens) + 8
+    return max_settle_steps, max_settle_steps + 2 * num_steps + 4
+
+
+def decode_split_batch(workload: Workload, args: argparse.Namespace) -> int:
+    """Requests the decode split runs: ``--decode-batch``, capped by the workload and
+    ``--max-num-seqs`` (0 or less: skipped)."""
+    return min(args.decode_batch, args.max_num_seqs, workload.num_requests)
+
+
+def decode_split_workload(workload: Workload, args: argparse.Namespace) -> Workload:
+    """What the decode split puts in the KV cache at once: the workload's first prompts,
+    each with the output tokens it asks for (empty when the split is skipped)."""
+    batch = decode_split_batch(workload, args)
+    if batch <= 0 or args.decode_steps <= 0:
+        return Workload(prompts=[], output_lens=[])
+    prompts = workload.prompts[:batch]
+    _, max_tokens = decode_split_lengths(prompts, args.decode_steps, args.max_num_batched_tokens)
+    return Workload(prompts=prompts, output_lens=[max_tokens] * batch)
+
+
 def measure_decode_split(
     llm,
     prompts: list[list[int]],
     num_steps: int,
     profile: bool = True,
     max_settle_steps: int | None = None,
+    time_math: bool = False,
 ) -> dict:
-    """Mean wall, GPU and host time of a pure-decode step with ``len(prompts)`` running.
+    """Mean wall, GPU (``profile``) or model-math (``time_math``) and host time of a
+    pure-decode step with ``len(prompts)`` running.
 
     Queues one request per prompt (greedy, EOS ignored, enough output tokens to outlast the
     measurement), steps the engine until a step decodes every one of them at once, then
-    times ``num_steps`` steps by wall clock and, with ``profile``, runs ``num_steps`` more
-    under ``torch.profiler`` (CUDA activity) and takes the device's busy time from its
-    trace (``device_busy_us``). The requests are aborted at the end. Raises if any measured
-    step is not a pure decode of the whole batch (e.g. preemption: too small a KV cache).
+    times ``num_steps`` steps by wall clock. With ``time_math`` (CPU, where the math is
+    synchronous), the model's ``forward`` and ``compute_logits`` are wrapped in
+    ``time.perf_counter`` accumulators during those steps (``_timed_model_math``; restored
+    afterwards): ``math_ms`` is the mean time inside them per step and ``host_ms`` the
+    rest of the wall time. With ``profile`` (CUDA), ``num_steps`` more run under
+    ``torch.profiler`` (CUDA activity) and the device's busy time comes from its trace
+    (``device_busy_us``): ``gpu_ms``, and ``host_ms`` = wall - GPU busy. The requests are
+    aborted at the end. Raises if any measured step is not a pure decode of the whole batch
+    (e.g. preemption: too small a KV cache).
     """
     from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
+    if profile and time_math:
+        raise ValueError("profile and time_math both define host_ms: pick one")
     engine = llm.llm_engine
+    model = _engine_model(engine) if time_math else None
     batch = len(prompts)
     budget = engine.config.max_num_batched_tokens
-    if max_settle_steps is None:
-        max_settle_steps = -(-sum(len(p) for p in prompts) // budget) + 8
-    max_tokens = max_settle_steps + 2 * num_steps + 4
+    max_settle_steps, max_tokens = decode_split_lengths(
+        prompts, num_steps, budget, max_settle_steps
+    )
     params = SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
@@ -447,7 +520,11 @@ def measure_decode_split(
             )
         contexts = sorted(len(p) for p in prompts)
         first_event = len(events)
-        walls = timed_steps(num_steps)
+        if time_math:
+            with _timed_model_math(model) as math:
+                walls = timed_steps(num_steps)
+        else:
+            walls = timed_steps(num_steps)
         result = {
             "batch": batch,
             "num_steps": num_steps,
@@ -457,10 +534,20 @@ def measure_decode_split(
             "engine_wall_ms": 1e3 * sum(e.wall_time_s for e in events[first_event:]) / num_steps,
             "model_ms": 1e3 * sum(e.model_time_s for e in events[first_event:]) / num_steps,
             "gpu_ms": None,
+            "math_ms": None,
             "host_ms": None,
             "profiled_wall_ms": None,
             "num_device_activities": None,
         }
+        if time_math:
+            if math["forward"] != num_steps or math["compute_logits"] != num_steps:
+                raise RuntimeError(
+                    f"{num_steps} steps called model.forward {math['forward']} and "
+                    f"compute_logits {math['compute_logits']} times (once each per step "
+                    "expected; a CUDA graph replay bypasses forward): math not measured"
+                )
+            math_ms = 1e3 * math["seconds"] / num_steps
+            result.update(math_ms=math_ms, host_ms=result["wall_ms"] - math_ms)
         if profile:
             busy_us, activities, profiled = _profile_steps(engine, num_steps)
             result.update(
@@ -479,6 +566,55 @@ def measure_decode_split(
     finally:
         engine.unsubscribe(observer)
         engine.abort_request(ids)
+
+
+def _engine_model(engine) -> torch.nn.Module:
+    """The model the engine's executor (a ``ModelRunner``) runs."""
+    model = getattr(engine.executor, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"the engine's executor {type(engine.executor).__name__} has no model to time"
+        )
+    return model
+
+
+_TIMED_METHODS = ("forward", "compute_logits")
+
+
+@contextlib.contextmanager
+def _timed_model_math(model: torch.nn.Module):
+    """Wrap ``model.forward`` (what ``model(...)`` calls) and ``model.compute_logits`` in
+    ``time.perf_counter`` accumulators, as instance attributes; yield the totals
+    (``seconds`` inside either, and the calls of each). The originals are restored on exit:
+    the instance attributes are removed again (or reset, had the instance its own)."""
+    totals = {"seconds": 0.0, **{name: 0 for name in _TIMED_METHODS}}
+
+    def timed(name: str, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals["seconds"] += time.perf_counter() - start
+                totals[name] += 1
+
+        wrapper.__wrapped__ = method
+        return wrapper
+
+    missing = object()
+    saved = {}
+    try:
+        for name in _TIMED_METHODS:
+            original = vars(model).get(name, missing)
+            setattr(model, name, timed(name, getattr(model, name)))
+            saved[name] = original
+        yield totals
+    finally:
+        for name, original in saved.items():
+            if original is missing:
+                delattr(model, name)
+            else:
+                setattr(model, name, original)
 
 
 def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
@@ -805,9 +941,10 @@ def run_mode(
 ) -> RunResult | None:
     """Prepare the mode, optionally warm it up, then time the workload; None if it fails.
 
-    On CUDA, llmlab's timed StepEvents and the decode GPU/host split go into ``report``
-    (keys ``llmlab_events`` and ``decode_split``); the mode's model and caches are released
-    before returning, so the next mode has the GPU to itself.
+    llmlab's timed StepEvents and the decode step split (host work vs model math on CPU,
+    GPU/host on CUDA) go into ``report`` (keys ``llmlab_events`` and ``decode_split``). On
+    CUDA the mode's model and caches are released before returning, so the next mode has
+    the GPU to itself.
     """
     print(f"\n== {mode}", flush=True)
     run = None
@@ -831,8 +968,7 @@ def run_mode(
         )
         if report is not None and isinstance(run, LlmlabRunner):
             report["llmlab_events"] = run.events
-            if args.device == "cuda":
-                report["decode_split"] = _decode_split_or_error(run.llm, workload, args)
+            report["decode_split"] = _decode_split_or_error(run.llm, workload, args)
         return result
     finally:
         del run
@@ -847,14 +983,21 @@ def run_mode(
 
 
 def _decode_split_or_error(llm, workload: Workload, args) -> dict:
-    batch = min(args.decode_batch, args.max_num_seqs, workload.num_requests)
+    """The decode split for ``args.device``: profiled on CUDA, model math timed on CPU (with
+    the CPU target beside it); ``{"error": ...}`` if skipped or failed."""
+    batch = decode_split_batch(workload, args)
     if batch <= 0 or args.decode_steps <= 0:
         return {"error": "skipped (--decode-batch or --decode-steps is 0)"}
+    cuda = args.device == "cuda"
     try:
-        return measure_decode_split(llm, workload.prompts[:batch], args.decode_steps)
+        split = measure_decode_split(
+            llm, workload.prompts[:batch], args.decode_steps, profile=cuda, time_math=not cuda
+        )
     except Exception as err:  # noqa: BLE001 -- the throughput results stand without it
-        print(f"decode GPU/host split FAILED:\n{traceback.format_exc()}", flush=True)
+        what = "GPU/host split" if cuda else "host work split"
+        print(f"decode {what} FAILED:\n{traceback.format_exc()}", flush=True)
         return {"error": f"{type(err).__name__}: {err}"}
+    return split if cuda else split | {"host_target_ms": CPU_HOST_TARGET_MS}
 
 
 def print_results(results: dict[str, RunResult]) -> None:
@@ -927,6 +1070,36 @@ def print_cpu_roofline(results: dict[str, RunResult], rates: dict, line: dict | 
         f" other steps: floor {line['other_floor_s']:.2f} s vs wall {line['other_wall_s']:.2f} s"
     )
     print(f"llmlab achieves {line['total_s'] / wall:.1%} of the per-step roofline")
+
+
+def print_cpu_decode_split(line: dict | None, decode: dict | None) -> None:
+    print("\n== llmlab host work per decode step (everything but model math)")
+    if line is not None and line.get("decode_step_wall_ms") is not None:
+        print(
+            f"timed run: {line['decode_steps']} pure-decode steps, mean "
+            f"{line['decode_step_wall_ms']:.2f} ms wall, {line['decode_step_model_ms']:.2f} ms "
+            f"in the model runner (mean batch {line['decode_step_mean_batch']:.0f})"
+        )
+    if decode is None:
+        print("host work per decode step: n/a (llmlab did not run)")
+        return
+    if "error" in decode:
+        print(f"host work per decode step: {decode['error']}")
+        return
+    print(
+        f"host work per decode step at {decode['batch']} seqs: {decode['host_ms']:.2f} ms "
+        f"(wall {decode['wall_ms']:.2f} ms, model math {decode['math_ms']:.2f} ms; "
+        f"target <= {CPU_HOST_TARGET_MS} ms)"
+    )
+    print(
+        f"  separate pass, {decode['batch']} running (prompts {decode['prompt_len_min']}-"
+        f"{decode['prompt_len_max']} tokens), {decode['num_steps']} steps; model math = time "
+        "inside model.forward and compute_logits, host = wall - math"
+    )
+    print(
+        f"  (StepEvents: {decode['engine_wall_ms']:.2f} ms engine step, "
+        f"{decode['model_ms']:.2f} ms in the model runner)"
+    )
 
 
 def print_cuda_report(
@@ -1079,7 +1252,9 @@ def main(argv: list[str] | None = None) -> None:
                     report["llmlab_events"], model_dir, rates, workload, dtype, rates["curve"]
                 )
             extras["roofline"] = line
+            extras["decode_split"] = report.get("decode_split")
             print_cpu_roofline(results, extras["cpu_rates"], line)
+            print_cpu_decode_split(line, extras["decode_split"])
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
     if args.json:
@@ -1088,8 +1263,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_json(path: pathlib.Path, args, workload: Workload, results: dict, extras: dict) -> None:
-    """Args, workload, per-mode results, and ``extras``: ``floor`` on CPU; ``device_rates``,
-    ``roofline`` and ``decode_split`` on CUDA."""
+    """Args, workload, per-mode results, and ``extras``: ``floor``, ``cpu_rates``,
+    ``roofline`` and ``decode_split`` (host work vs model math) on CPU; ``device_rates``,
+    ``roofline`` and ``decode_split`` (GPU/host) on CUDA."""
     payload = {
         "args": {
             k: str(v) if isinstance(v, (pathlib.Path, torch.dtype)) else v

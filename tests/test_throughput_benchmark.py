@@ -48,6 +48,7 @@ def test_cpu_defaults_are_the_documented_cpu_workload():
     assert throughput.parse_args(["--no-warmup"]).warmup is False
     assert (args.dtype, args.torch_dtype) == ("float32", torch.float32)
     assert args.hf_batch_sizes == [16, 32, 64]
+    assert (args.decode_batch, args.decode_steps) == (64, 16)  # host work at 64 sequences
     args = throughput.parse_args(["--dtype", "bfloat16", "--hf-batch-sizes", "8,24"])
     assert (args.torch_dtype, args.hf_batch_sizes) == (torch.bfloat16, [8, 24])
 
@@ -72,6 +73,7 @@ def test_cuda_switches_the_defaults(monkeypatch):
     assert args.modes == ["llmlab", "hf"]
     assert args.warmup is True
     assert args.torch_dtype == torch.bfloat16
+    assert (args.decode_batch, args.decode_steps) == (256, 32)
     # Anything given explicitly wins over the device's default.
     args = throughput.parse_args(
         ["--device", "cuda", "--num-requests", "8", "--no-warmup", "--only", "hf-cb",
@@ -332,6 +334,63 @@ def test_decode_split_reaches_a_full_decode_batch_and_cleans_up(tiny_llm):
     assert not engine.observers
 
 
+def test_cpu_decode_split_times_the_model_math_and_restores_the_model(tiny_llm):
+    model = tiny_llm.llm_engine.executor.model
+    assert "forward" not in vars(model) and "compute_logits" not in vars(model)
+    prompts = [[5 + i] * (20 + 7 * i) for i in range(4)]
+    split = throughput.measure_decode_split(
+        tiny_llm, prompts, num_steps=3, profile=False, time_math=True
+    )
+    assert split["batch"] == 4 and split["gpu_ms"] is None
+    assert 0 < split["math_ms"] < split["wall_ms"]
+    assert split["host_ms"] == pytest.approx(split["wall_ms"] - split["math_ms"])
+    assert split["host_ms"] > 0 and split["engine_wall_ms"] > 0 and split["model_ms"] > 0
+    # The model math is inside the model runner's time, which is inside the step's.
+    assert split["math_ms"] <= split["model_ms"] <= split["engine_wall_ms"] <= split["wall_ms"]
+    # The wrappers are gone: the class's own methods again.
+    assert "forward" not in vars(model) and "compute_logits" not in vars(model)
+    assert model.forward.__func__ is type(model).forward
+    assert model.compute_logits.__func__ is type(model).compute_logits
+    engine = tiny_llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.observers
+    with pytest.raises(ValueError, match="pick one"):
+        throughput.measure_decode_split(tiny_llm, prompts, 3, profile=True, time_math=True)
+
+
+def test_model_math_timer_restores_the_methods_even_when_a_step_fails():
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+        def compute_logits(self, x):
+            return x * 2
+
+    model = Model()
+    own_logits = model.compute_logits  # an instance attribute of its own is put back
+    model.compute_logits = own_logits
+    with pytest.raises(RuntimeError, match="boom"), throughput._timed_model_math(model) as math:
+        assert model(torch.ones(1)).item() == 2 and model.compute_logits(3) == 6
+        assert (math["forward"], math["compute_logits"]) == (1, 1)
+        assert math["seconds"] > 0
+        raise RuntimeError("boom")
+    assert "forward" not in vars(model) and model.forward.__func__ is Model.forward
+    assert vars(model)["compute_logits"] is own_logits
+
+
+def test_cpu_kv_cache_holds_the_decode_split_batch():
+    args = throughput.parse_args(["--num-requests", "8", "--decode-batch", "5"])
+    workload = throughput.make_workload(8, 0, 100, (3, 9), (1, 2))
+    split = throughput.decode_split_workload(workload, args)
+    _, max_tokens = throughput.decode_split_lengths(
+        split.prompts, args.decode_steps, args.max_num_batched_tokens
+    )
+    assert split.prompts == workload.prompts[:5] and split.output_lens == [max_tokens] * 5
+    # Short outputs: the split needs more KV than the timed run does.
+    assert throughput.kv_tokens_needed(split, 16) > throughput.kv_tokens_needed(workload, 16)
+    skipped = throughput.parse_args(["--decode-batch", "0"])
+    assert throughput.decode_split_workload(workload, skipped).num_requests == 0
+
+
 def test_decode_split_refuses_a_batch_that_never_runs_at_once(tiny_llm):
     prompts = [[7] * 10 for _ in range(5)]  # max_num_seqs is 4
     with pytest.raises(RuntimeError, match="no step decoded all 5"):
@@ -426,7 +485,13 @@ def test_the_cpu_path_end_to_end_prints_best_hf_and_the_roofline(tiny_llama, tmp
     assert "static cache, batch sizes 2: " in text and ", 4: " in text
     assert "llmlab / best HF (" in text
     assert "of the per-step roofline" in text
+    assert "host work per decode step at 4 seqs: " in text and "target <= 1.5 ms" in text
+    assert "FAILED" not in text
     payload = json.loads(out.read_text())
+    decode = payload["decode_split"]
+    assert decode["batch"] == 4 and decode["num_steps"] == 16 and decode["gpu_ms"] is None
+    assert decode["math_ms"] > 0 and decode["host_target_ms"] == 1.5
+    assert decode["host_ms"] == pytest.approx(decode["wall_ms"] - decode["math_ms"])
     assert set(payload["results"]) == {"llmlab", "hf", "hf-static"}
     line = payload["roofline"]
     assert line["num_steps"] > 0 and 0 < line["total_s"]

@@ -50,16 +50,6 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     )
 
 
-def auto_backend(device: torch.device):
-    """The backend ``attention_backend="auto"`` means: the Triton kernels on CUDA when
-    triton can run them, the torch reference everywhere else."""
-    from llmlab.attention.torch_backend import TorchPagedAttention
-
-    if device.type == "cuda" and triton_unavailable_reason(device) is None:
-        return TritonPagedAttention()
-    return TorchPagedAttention()
-
-
 @attrs.define(eq=False)
 class _Programs:
     """One launch's programs: sequence and first query token of each."""

@@ -26,7 +26,7 @@ import torch
 
 from llmlab import registry
 from llmlab.attention.backend import AttentionBackend
-from llmlab.attention.triton_backend import auto_backend
+from llmlab.attention.selection import auto_backend
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
@@ -95,8 +95,6 @@ class EngineBuilder:
             attention = _component("attention_backend", self.attention_backend)
         as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
-        if auto_attention:
-            attention = auto_backend(device)
         check = getattr(attention, "check_device", None)
         if check is not None:  # e.g. triton asked for where it cannot run: fail before loading
             check(device)
@@ -118,6 +116,11 @@ class EngineBuilder:
             # where a user can read it back to replay the run).
             cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         dtype = resolve_dtype(cfg.dtype, hf_config, device)
+        if auto_attention:
+            attention = auto_backend(device, dtype)
+        check = getattr(attention, "check_dtype", None)
+        if check is not None:  # e.g. the CPU kernels asked for float16: fail before loading
+            check(dtype)
         if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"enable_chunked_prefill=False needs max_num_batched_tokens "

@@ -13,9 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmlab.attention.backend import AttentionInputs, block_table_tensor, token_slots
-from llmlab.attention.torch_backend import TorchPagedAttention
 from llmlab.attention.triton_backend import TritonPagedAttention, triton_unavailable_reason
+from tests.attention.paged_batch import (
+    NUM_KV_HEADS,
+    random_paged_batch,
+    reference_attention,
+    rel_err,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
@@ -23,62 +27,13 @@ pytestmark = pytest.mark.skipif(
     reason=str(triton_unavailable_reason(DEVICE)),
 )
 
-NUM_KV_HEADS = 2
 # (context length after the step, new tokens): decodes, fresh prompts of ragged lengths,
 # prefix-cache hits (a chunk after a cached context), a one-block prompt.
 MIXED = [(45, 1), (70, 1), (33, 33), (50, 21), (17, 17), (96, 40), (3, 1)]
 
 
-def _batch(specs, *, block_size, group, head_dim, dtype, seed=0):
-    """A random batch over a poisoned paged cache: (inputs, q, k, v, cache)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-ctx // block_size) for ctx, _ in specs]
-    num_blocks = sum(blocks_needed) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
-    tables, used = [], 0
-    for n in blocks_needed:
-        tables.append(order[used : used + n])
-        used += n
-    table = block_table_tensor(tables)
-    q_lens = [q for _, q in specs]
-    seq_lens = [ctx for ctx, _ in specs]
-    seq_index = torch.repeat_interleave(torch.arange(len(specs)), torch.tensor(q_lens))
-    positions = torch.cat([torch.arange(ctx - q, ctx) for ctx, q in specs])
-    slots = token_slots(table, seq_index, positions, block_size)
-    tokens, heads = len(slots), NUM_KV_HEADS * group
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    q, k, v = rand(tokens, heads, head_dim), rand(tokens, NUM_KV_HEADS, head_dim), rand(
-        tokens, NUM_KV_HEADS, head_dim
-    )
-    cache = torch.full((2, NUM_KV_HEADS, num_blocks * block_size, head_dim), float("nan"))
-    # The cached context (positions before each sequence's new tokens) holds random K/V.
-    for i, (ctx, q_len) in enumerate(specs):
-        pos = torch.arange(ctx - q_len)
-        cached = token_slots(table, torch.full_like(pos, i), pos, block_size)
-        cache[:, :, cached] = torch.randn(2, NUM_KV_HEADS, len(pos), head_dim, generator=gen)
-    cache = cache.to(dtype)
-    inputs = AttentionInputs(q_lens, seq_lens, table, slots.to(DEVICE), block_size, DEVICE)
-    return inputs, *(t.to(DEVICE) for t in (q, k, v, cache))
-
-
-def _reference(inputs, q, k, v, cache, *, scale, sliding_window):
-    """The torch backend in float32 on the same values; also returns its updated cache."""
-    ref = TorchPagedAttention(decode_mirror=False)
-    ref_cache = cache.float().clone()
-    out = ref.forward(
-        0,
-        q.float(),
-        k.float(),
-        v.float(),
-        ref_cache,
-        ref.build_metadata(inputs),
-        scale=scale,
-        sliding_window=sliding_window,
-    )
-    return out, ref_cache
+def _batch(specs, **kwargs):
+    return random_paged_batch(specs, device=DEVICE, **kwargs)
 
 
 def _run_triton(backend, inputs, q, k, v, cache, *, scale, sliding_window):
@@ -91,24 +46,20 @@ def _run_triton(backend, inputs, q, k, v, cache, *, scale, sliding_window):
     return out, metadata
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float().cpu() - want.float().cpu()).abs().max() / want.abs().max())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_mixed_batch_matches_reference(block_size, group, head_dim, dtype):
+def test_mixed_batch_matchesreference_attention(block_size, group, head_dim, dtype):
     inputs, q, k, v, cache = _batch(
         MIXED, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype
     )
     scale = head_dim**-0.5
-    want, want_cache = _reference(inputs, q, k, v, cache, scale=scale, sliding_window=None)
+    want, want_cache = reference_attention(inputs, q, k, v, cache, scale=scale, sliding_window=None)
     got, _ = _run_triton(TritonPagedAttention(), inputs, q, k, v, cache, scale=scale,
                          sliding_window=None)
     assert not torch.isnan(got).any()
-    assert _rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     # The write kernel stored exactly what the reference stored, and nothing else.
     torch.testing.assert_close(cache.float().cpu(), want_cache.cpu(), rtol=0, atol=0,
                                equal_nan=True)
@@ -116,32 +67,32 @@ def test_mixed_batch_matches_reference(block_size, group, head_dim, dtype):
 
 @pytest.mark.parametrize("window", [1, 7, 24, 64])
 @pytest.mark.parametrize("group", [1, 4])
-def test_sliding_window_matches_reference(window, group):
+def test_sliding_window_matchesreference_attention(window, group):
     inputs, q, k, v, cache = _batch(
         MIXED, block_size=16, group=group, head_dim=64, dtype=torch.float32, seed=1
     )
-    want, _ = _reference(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
+    want, _ = reference_attention(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
     got, _ = _run_triton(TritonPagedAttention(), inputs, q, k, v, cache, scale=0.125,
                          sliding_window=window)
-    assert _rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_kv_long_decodes_match_reference(block_size, dtype, window):
+def test_split_kv_long_decodes_matchreference_attention(block_size, dtype, window):
     specs = [(700, 1), (333, 1), (64, 1), (5, 1), (300, 30)]  # decodes + a prefill chunk
     inputs, q, k, v, cache = _batch(
         specs, block_size=block_size, group=4, head_dim=64, dtype=dtype, seed=2
     )
     backend = TritonPagedAttention(min_split_context=256, tokens_per_split=64, max_splits=8)
-    want, _ = _reference(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
+    want, _ = reference_attention(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
     got, metadata = _run_triton(backend, inputs, q, k, v, cache, scale=0.125,
                                 sliding_window=window)
     splits = [s for _, s, _ in backend.launches(metadata, 8, NUM_KV_HEADS, 64)]
     assert splits[0] == 8 and splits[1] == 1  # decodes split (64 // 8 programs), prefill not
     assert not torch.isnan(got).any()
-    assert _rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
 
 
 def test_split_count_follows_context_and_batch():
@@ -164,10 +115,10 @@ def test_tensor_core_path_within_16_bit_rounding(dtype):
     inputs, q, k, v, cache = _batch(
         MIXED, block_size=16, group=4, head_dim=64, dtype=dtype, seed=3
     )
-    want, _ = _reference(inputs, q, k, v, cache, scale=0.125, sliding_window=None)
+    want, _ = reference_attention(inputs, q, k, v, cache, scale=0.125, sliding_window=None)
     got, _ = _run_triton(TritonPagedAttention(dot_f32=False), inputs, q, k, v, cache,
                          scale=0.125, sliding_window=None)
-    assert _rel_err(got, want) < 2e-2
+    assert rel_err(got, want) < 2e-2
 
 
 def test_write_kv_skips_negative_slots_and_casts():

@@ -83,7 +83,7 @@ def test_triton_backend_generates_what_torch_does(tiny_model_factory, arch):
 def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     import llmlab.attention.triton_backend as tb
 
-    assert type(auto_backend(torch.device("cpu"))) is TorchPagedAttention
+    assert type(auto_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
     monkeypatch.setattr(tb, "triton_unavailable_reason", lambda device: None)
     assert type(auto_backend(torch.device("cuda"))) is TritonPagedAttention
     monkeypatch.setattr(tb, "triton_unavailable_reason", lambda device: "no")
@@ -93,7 +93,10 @@ def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: triton runs on CUDA")
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(tiny_model_factory):
     """Asked for on CPU without ``TRITON_INTERPRET=1``, the backend refuses at build time,
-    saying why and what to do; ``auto`` quietly uses the torch backend there."""
+    saying why and what to do; ``auto`` uses the C++ CPU kernels there (the torch backend
+    where they cannot load)."""
+    from llmlab.attention import cpu_kernels_unavailable_reason
+
     path = tiny_model_factory("LlamaForCausalLM")
     code = (
         "from llmlab import LLM\n"
@@ -109,6 +112,7 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(tiny_model_factory):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[0] == "TorchPagedAttention"
+    auto = "CpuPagedAttention" if cpu_kernels_unavailable_reason() is None else "TorchPagedAttention"
+    assert lines[0] == auto
     assert lines[1].startswith("ValueError: attention_backend='triton' cannot run")
     assert "CUDA" in lines[1] and "TRITON_INTERPRET=1" in lines[1]

@@ -1,0 +1,70 @@
+"""The C++ CPU attention kernel against the torch reference backend.
+
+Inputs are random; the output buffer's rows and every KV slot outside the batch's contexts
+are NaN before a run, so a kernel that reads an unwritten slot fails. The reference runs in
+float32 on the same (bf16-rounded, for bfloat16) values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmlab.attention import cpu_kernels
+from llmlab.attention.cpu_backend import CpuPagedAttention, from_slot_rows, slot_rows
+from tests.attention.paged_batch import random_paged_batch, reference_attention, rel_err
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.unavailable_reason() is not None, reason=str(cpu_kernels.unavailable_reason())
+)
+
+# (context length after the step, new tokens): decodes, fresh prompts of ragged lengths
+# (several query tiles), prefix-cache hits (a chunk after a cached context), a one-token
+# prompt, a one-block prompt.
+MIXED = [(45, 1), (70, 1), (33, 33), (50, 21), (17, 17), (96, 40), (3, 1), (1, 1), (130, 2)]
+
+
+def _batch(specs, **kwargs):
+    return random_paged_batch(specs, fused_qkv=True, **kwargs)
+
+
+def _run(inputs, q, k, v, cache, *, scale, sliding_window):
+    """The kernel on ``cache`` (torch layout); returns its output and cache (torch layout)."""
+    backend = CpuPagedAttention()
+    metadata = backend.build_metadata(inputs)
+    own = from_slot_rows(cache, inputs.block_size)
+    out = backend.forward(0, q, k, v, own, metadata, scale=scale, sliding_window=sliding_window)
+    return out, slot_rows(own, inputs.block_size)
+
+
+# bf16 output is rounded once (relative step 2^-8); float32 differs in summation order.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_batch_matchesreference_attention(block_size, group, head_dim, dtype):
+    inputs, q, k, v, cache = _batch(
+        MIXED, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    want, want_cache = reference_attention(inputs, q, k, v, cache, scale=scale, sliding_window=None)
+    got, got_cache = _run(inputs, q, k, v, cache, scale=scale, sliding_window=None)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert not torch.isnan(got).any()
+    assert rel_err(got, want) < TOLERANCE[dtype]
+    # The kernel wrote exactly the new tokens' K/V, where the slot mapping says.
+    torch.testing.assert_close(got_cache.float(), want_cache, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 24, 64, 500])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sliding_window_matchesreference_attention(window, group):
+    inputs, q, k, v, cache = _batch(
+        MIXED, block_size=16, group=group, head_dim=64, dtype=torch.float32, seed=3
+    )
+    want, _ = reference_attention(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
+    got, _ = _run(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
+    assert rel_err(got, want) < 1e-5
