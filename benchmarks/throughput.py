@@ -250,6 +250,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llmlab on CPU: prepacked oneDNN linears or F.linear (default: the engine's auto)",
     )
     parser.add_argument(
+        "--no-cpu-fused-ops", dest="cpu_fused_ops", action="store_false",
+        help="llmlab on CPU: plain torch ops instead of the fused C++ residual+norm, rotary "
+        "and SiLU x up",
+    )
+    parser.add_argument(
         "--decode-batch", type=int,
         help="running requests for the decode step split after llmlab's timed run: host "
         "work vs model math on cpu, GPU/host on cuda (capped by the workload and "
@@ -358,6 +363,8 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         extra["enforce_eager"] = True
     if args.cpu_linear is not None:
         extra["cpu_linear"] = args.cpu_linear
+    if not getattr(args, "cpu_fused_ops", True):
+        extra["cpu_fused_ops"] = False
     shared = dict(
         dtype=args.dtype,
         seed=0,

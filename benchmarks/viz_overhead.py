@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             device="cpu", attention_backend=None, enforce_eager=False, max_num_seqs=256,
             max_num_batched_tokens=defaults["max_num_batched_tokens"], block_size=16,
             dtype="float32", torch_dtype=torch.float32, cpu_linear=None,
+            decode_batch=0, decode_steps=0,  # no decode split here: no room kept for it
         )  # fmt: skip
         llm = build_llmlab(model_dir, workload, engine_args)
         steps = []

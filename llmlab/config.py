@@ -114,6 +114,9 @@ class EngineConfig:
             at load time into oneDNN's blocked layout (faster, float32 results equal to
             rounding), ``"plain"`` uses ``F.linear``; ``"auto"`` is oneDNN for float32
             models when this torch build has it (in bfloat16 it measured no faster).
+        cpu_fused_ops: on CPU, run the Llama family's residual add + RMSNorm, rotary
+            embedding and SiLU x up as fused C++ kernels (``llmlab.models.fused``) when
+            llmlab's CPU kernels load; ``False`` keeps the plain torch ops.
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -198,6 +201,7 @@ class EngineConfig:
             as_choice, "cpu_linear", choices=("auto", "onednn", "plain")
         ),
     )
+    cpu_fused_ops: bool = attrs.field(default=True, converter=_flag("cpu_fused_ops"))
     disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
     swap_space: float = attrs.field(
         default=4.0, converter=functools.partial(as_real, "swap_space", min=0)

@@ -168,6 +168,18 @@ class CpuKernels:
         fn = lib.llmlab_paged_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Step), ctypes.POINTER(_Layer)]
+        i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+        # The fused elementwise ops (llmlab.models.fused): dtype code, pointers, sizes.
+        signatures = {
+            "add_rms_norm": [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, f32, i64],
+            "silu_and_mul": [ctypes.c_int, ptr, ptr, i64, i64, i64],
+            "rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64],
+        }
+        for name, argtypes in signatures.items():
+            op = getattr(lib, f"llmlab_{name}")
+            op.restype = ctypes.c_int
+            op.argtypes = argtypes
+            setattr(self, name, op)
         self._lib = lib
         self.built_from = lib.llmlab_source_hash().decode()
         self.tile_q = int(lib.llmlab_tile_q())

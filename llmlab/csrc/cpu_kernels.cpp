@@ -367,6 +367,119 @@ void dispatch(const Step& s, const Layer& l) {
   paged_attention<T, 0>(s, l);
 }
 
+// ---------------------------------------------------------------------- fused elementwise
+//
+// Each replaces a chain of small torch ops (one pass over memory and one dispatch each) by
+// one pass. Rounding follows the torch chain it replaces, so float32 results agree to
+// summation order and bfloat16 ones round at the same points.
+
+// exp(x) for any float x (clamped to the float range): exp_nonpositive's polynomial.
+inline float exp_any(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  x = x < 88.0f ? x : 88.0f;
+  const float magic = 12582912.0f;
+  float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * (r * r) + r + 1.0f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+template <typename T>
+inline T round_to(float x) {
+  T out;
+  store(x, &out);
+  return out;
+}
+
+// residual <- x + residual (rounded to T), out <- weight * T(norm(residual)); or, with no
+// residual, out <- weight * T(norm(x)). norm(v) = v / sqrt(mean(v^2) + eps) in float32.
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim,
+                  float eps, int64_t threads) {
+#pragma omp parallel for num_threads(int(threads)) schedule(static) if (rows * dim > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    T* rr = residual ? residual + r * dim : nullptr;
+    T* o = out + r * dim;
+    float sum = 0.0f;
+    if (rr) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) {
+        const T v = round_to<T>(to_f32(xr[i]) + to_f32(rr[i]));
+        rr[i] = v;
+        const float f = to_f32(v);
+        sum += f * f;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += to_f32(xr[i]) * to_f32(xr[i]);
+    }
+    const float inv = 1.0f / std::sqrt(sum / float(dim) + eps);
+    const T* v = rr ? rr : xr;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) {
+      const float normed = to_f32(round_to<T>(to_f32(v[i]) * inv));
+      store(to_f32(weight[i]) * normed, o + i);
+    }
+  }
+}
+
+// out[r, i] = T(T(silu(g)) * u) for g = gate_up[r, i], u = gate_up[r, half + i].
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t half, int64_t threads) {
+#pragma omp parallel for num_threads(int(threads)) schedule(static) if (rows * half > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * half;
+    const T* u = g + half;
+    T* o = out + r * half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x = to_f32(g[i]);
+      const float act = to_f32(round_to<T>(x / (1.0f + exp_any(-x))));
+      store(act * to_f32(u[i]), o + i);
+    }
+  }
+}
+
+// In place, for each token t and head h of x ([tokens, heads, head_dim], element strides
+// token_stride, head_stride): the first rot channels rotate NeoX-style by cos/sin
+// ([tokens, rot], rows contiguous): y_i = x_i cos_i - x_{i+rot/2} sin_i,
+// y_{i+rot/2} = x_{i+rot/2} cos_{i+rot/2} + x_i sin_{i+rot/2}; the rest pass through.
+template <typename T>
+void rotary(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+            const T* cos, const T* sin, int64_t rot, int64_t threads) {
+  const int64_t half = rot / 2;
+#pragma omp parallel for num_threads(int(threads)) schedule(static) if (tokens * heads * rot > 16384)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * rot;
+    const T* s = sin + t * rot;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * token_stride + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_f32(v[i]), b = to_f32(v[i + half]);
+        // Each product rounded, then the sum: as x * cos + rotate_half(x) * sin in T.
+        const float lo = to_f32(round_to<T>(a * to_f32(c[i]))) +
+                         to_f32(round_to<T>(-b * to_f32(s[i])));
+        const float hi = to_f32(round_to<T>(b * to_f32(c[i + half]))) +
+                         to_f32(round_to<T>(a * to_f32(s[i + half])));
+        store(lo, v + i);
+        store(hi, v + i + half);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -384,6 +497,53 @@ int llmlab_paged_attention(int dtype, const Step* step, const Layer* layer) {
     dispatch<float>(*step, *layer);
   } else if (dtype == 1) {
     dispatch<bf16>(*step, *layer);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// The fused elementwise ops (see above). dtype as for llmlab_paged_attention; every tensor
+// of one call has that dtype. Each returns 0, or -1 for an unknown dtype.
+int llmlab_add_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
+                        int64_t rows, int64_t dim, float eps, int64_t threads) {
+  if (dtype == 0) {
+    add_rms_norm<float>(static_cast<const float*>(x), static_cast<float*>(residual),
+                        static_cast<const float*>(weight), static_cast<float*>(out), rows, dim,
+                        eps, threads);
+  } else if (dtype == 1) {
+    add_rms_norm<bf16>(static_cast<const bf16*>(x), static_cast<bf16*>(residual),
+                       static_cast<const bf16*>(weight), static_cast<bf16*>(out), rows, dim,
+                       eps, threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int llmlab_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t half,
+                        int64_t threads) {
+  if (dtype == 0) {
+    silu_and_mul<float>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows,
+                        half, threads);
+  } else if (dtype == 1) {
+    silu_and_mul<bf16>(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, half,
+                       threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int llmlab_rotary(int dtype, void* x, int64_t tokens, int64_t heads, int64_t token_stride,
+                  int64_t head_stride, const void* cos, const void* sin, int64_t rot,
+                  int64_t threads) {
+  if (dtype == 0) {
+    rotary<float>(static_cast<float*>(x), tokens, heads, token_stride, head_stride,
+                  static_cast<const float*>(cos), static_cast<const float*>(sin), rot, threads);
+  } else if (dtype == 1) {
+    rotary<bf16>(static_cast<bf16*>(x), tokens, heads, token_stride, head_stride,
+                 static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rot, threads);
   } else {
     return -1;
   }

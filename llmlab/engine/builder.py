@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from llmlab import registry
+from llmlab.attention import cpu_kernels
 from llmlab.attention.backend import AttentionBackend
 from llmlab.attention.selection import auto_backend
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
@@ -139,6 +140,11 @@ class EngineBuilder:
         model = load_model(model_path, hf_config, dtype, device)
         if prepack:
             prepack_linears(model)
+        if (
+            device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
+            and cpu_kernels.load() is not None
+        ):
+            model.fused_ops = True
         tokenizer = None
         if not cfg.skip_tokenizer_init:
             tokenizer = load_tokenizer(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
+from llmlab.models import fused
 from llmlab.models.base import KVLayout, PagedCausalLMBase
 from llmlab.models.layers import (
     RMSNorm,
@@ -126,7 +127,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+        fuse: bool = False,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
@@ -136,8 +142,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if fuse:  # in place, in the projection's output
+            q = fused.rotary_(q, cos, sin)
+            k = fused.rotary_(k, cos, sin)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         out = attn.attend(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
@@ -152,8 +162,11 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = get_activation(spec.hidden_act)
+        self.silu = spec.hidden_act in ("silu", "swish")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fuse: bool = False) -> torch.Tensor:
+        if fuse and self.silu:
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -171,6 +184,25 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with the residual stream carried separately (``residual`` is
+        None at the first layer), so each residual add fuses with the norm after it; the
+        same values, fewer passes (:mod:`llmlab.models.fused`). Returns ``(block output,
+        residual)``: the next layer's input is their sum."""
+        norm = self.input_layernorm
+        h, residual = fused.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, attn, fuse=True)
+        norm = self.post_attention_layernorm
+        h, residual = fused.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, fuse=True), residual
 
 
 # Checkpoint module names that land in a slice of one of our fused parameters; the
@@ -205,6 +237,9 @@ class LlamaForCausalLM(PagedCausalLMBase):
             if spec.tie_word_embeddings
             else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
+        # Set by the engine builder on CPU (``cpu_fused_ops``): run the blocks through
+        # ``forward_fused``.
+        self.fused_ops = False
 
     @classmethod
     def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
@@ -215,6 +250,11 @@ class LlamaForCausalLM(PagedCausalLMBase):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self.fused_ops:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer.forward_fused(hidden, residual, cos, sin, attn)
+            return fused.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, attn)
         return self.norm(hidden)
