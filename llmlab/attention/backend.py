@@ -29,9 +29,10 @@ def token_slots(
     the paged address formula lives.
 
     ``block_tables`` is ``[num_seqs, max_blocks]``; ``seq_index`` and ``positions`` are
-    equal-shaped (or broadcastable) long tensors naming a sequence and a position in it.
+    equal-shaped (or broadcastable) integer tensors naming a sequence and a (non-negative)
+    position in it. numpy arrays work too (the model runner's host-side arithmetic).
     """
-    blocks = block_tables[seq_index, torch.div(positions, block_size, rounding_mode="floor")]
+    blocks = block_tables[seq_index, positions // block_size]
     return blocks * block_size + positions % block_size
 
 

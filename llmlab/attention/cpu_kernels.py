@@ -175,6 +175,10 @@ class CpuKernels:
             "silu_and_mul": [ctypes.c_int, ptr, ptr, i64, i64, i64],
             "rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64],
         }
+        # Greedy sampling (llmlab.models.fused.argmax_logprob): float32 logits only.
+        lib.llmlab_argmax_logprob.restype = None
+        lib.llmlab_argmax_logprob.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+        self.argmax_logprob = lib.llmlab_argmax_logprob
         for name, argtypes in signatures.items():
             op = getattr(lib, f"llmlab_{name}")
             op.restype = ctypes.c_int

@@ -27,6 +27,10 @@
 
 #include <omp.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #ifndef LLMLAB_SOURCE_HASH
 #define LLMLAB_SOURCE_HASH "unknown"
 #endif
@@ -35,6 +39,7 @@ namespace {
 
 constexpr int64_t TILE_Q = 16;  // query tokens per work item in prefill
 constexpr int64_t LANES = 16;   // floats per vector (one AVX-512 register)
+constexpr int64_t PREFETCH_AHEAD = 2;  // K/V blocks requested ahead of use
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 typedef uint16_t bf16;
@@ -57,12 +62,19 @@ inline vfloat load(const float* p) {
   return v;
 }
 inline vfloat load(const bf16* p) {
+#ifdef __AVX512F__
+  // One widening move (GCC lowers the generic conversion below to two halves).
+  const __m512i u = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return vfloat(_mm512_castsi512_ps(u));
+#else
   vhalf h;
   std::memcpy(&h, p, sizeof h);
   vuint u = __builtin_convertvector(h, vuint) << 16;
   vfloat v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+#endif
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
@@ -162,50 +174,47 @@ struct Scratch {
 };
 
 // The rows of one work item: row r is query token (first + r / group) of the sequence,
-// query head (kv_head * group + r % group). Rows are padded to a multiple of ROW_BLOCK with
-// zero queries whose results are dropped, so the vector loops need no tails.
-constexpr int64_t ROW_BLOCK = 4;
+// query head (kv_head * group + r % group). Rows go through the vector loops RB at a time
+// (RB = 1, 2 or 4: as many as the item has, up to 4), padded with zero queries whose
+// results are dropped, so the loops need no tails and a decode with a group of 2 does not
+// compute 2 wasted rows.
+constexpr int64_t ROW_BLOCK = 4;  // the most rows at once (the scalar path's block too)
 
-// Scores of ROW_BLOCK rows against one block: p[r][j] = q_r . k_j for j < block_size.
-template <typename T, int64_t D>
+// Scores of RB rows against one block: p[r][j] = q_r . k_j for j < block_size. Even and odd
+// channels accumulate separately: two dependency chains per row instead of one.
+template <typename T, int64_t D, int64_t RB>
 inline void block_scores(const float* q, const T* kb, int64_t bs, float* p) {
   for (int64_t c = 0; c < bs; c += LANES) {
-    vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int64_t i = 0; i < D; ++i) {
-      const vfloat k = load(kb + i * bs + c);
-      a0 += q[i] * k;
-      a1 += q[D + i] * k;
-      a2 += q[2 * D + i] * k;
-      a3 += q[3 * D + i] * k;
+    vfloat even[RB] = {}, odd[RB] = {};
+    for (int64_t i = 0; i < D; i += 2) {
+      const vfloat k0 = load(kb + i * bs + c);
+      const vfloat k1 = load(kb + (i + 1) * bs + c);
+      for (int64_t r = 0; r < RB; ++r) {
+        even[r] += q[r * D + i] * k0;
+        odd[r] += q[r * D + i + 1] * k1;
+      }
     }
-    store(p + c, a0);
-    store(p + bs + c, a1);
-    store(p + 2 * bs + c, a2);
-    store(p + 3 * bs + c, a3);
+    for (int64_t r = 0; r < RB; ++r) store(p + r * bs + c, even[r] + odd[r]);
   }
 }
 
-// acc[r] += sum_j p[r][j] * v_j over keys [j0, j1) of a block, for ROW_BLOCK rows.
-template <typename T, int64_t D>
+// acc[r] += sum_j p[r][j] * v_j over keys [j0, j1) of a block, for RB rows.
+template <typename T, int64_t D, int64_t RB>
 inline void block_values(const float* p, int64_t bs, const T* vb, int64_t j0, int64_t j1,
                          float* acc) {
   constexpr int64_t V = D / LANES;
-  // Four rows of D / LANES vectors each: in registers for D <= 64; D = 128 spills some.
-  vfloat a[ROW_BLOCK][V];
-  for (int64_t r = 0; r < ROW_BLOCK; ++r)
+  // RB rows of D / LANES vectors each: in registers for D <= 64; D = 128 spills some.
+  vfloat a[RB][V];
+  for (int64_t r = 0; r < RB; ++r)
     for (int64_t c = 0; c < V; ++c) a[r][c] = load(acc + r * D + c * LANES);
   for (int64_t j = j0; j < j1; ++j) {
     const T* vj = vb + j * D;
-    const float p0 = p[j], p1 = p[bs + j], p2 = p[2 * bs + j], p3 = p[3 * bs + j];
     for (int64_t c = 0; c < V; ++c) {
       const vfloat x = load(vj + c * LANES);
-      a[0][c] += p0 * x;
-      a[1][c] += p1 * x;
-      a[2][c] += p2 * x;
-      a[3][c] += p3 * x;
+      for (int64_t r = 0; r < RB; ++r) a[r][c] += p[r * bs + j] * x;
     }
   }
-  for (int64_t r = 0; r < ROW_BLOCK; ++r)
+  for (int64_t r = 0; r < RB; ++r)
     for (int64_t c = 0; c < V; ++c) store(acc + r * D + c * LANES, a[r][c]);
 }
 
@@ -232,9 +241,9 @@ inline void block_values_any(const float* p, int64_t bs, const T* vb, int64_t j0
     }
 }
 
-// D > 0: head_dim known at compile time and block_size a multiple of LANES (vector path);
-// D == 0: any head_dim and block size (scalar path).
-template <typename T, int64_t D>
+// D > 0: head_dim known at compile time and block_size a multiple of LANES (vector path),
+// RB rows at a time; D == 0: any head_dim and block size (scalar path, RB = ROW_BLOCK).
+template <typename T, int64_t D, int64_t RB>
 void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t kv_head,
             Scratch& w) {
   const int64_t d = D > 0 ? D : l.head_dim;
@@ -244,7 +253,7 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
   const int64_t ctx = s.seq_lens[seq];
   const int64_t nq = std::min(TILE_Q, q_len - first);
   const int64_t rows = nq * group;
-  const int64_t padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+  const int64_t padded = (rows + RB - 1) / RB * RB;
   const int64_t bs = s.block_size;
   const int64_t window = l.sliding_window;
 
@@ -276,13 +285,27 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
   const T* vc = static_cast<const T*>(l.value_cache) + kv_head * l.cache_head_stride;
   const int64_t* table = s.block_tables + seq * s.table_stride;
 
-  for (int64_t block = key_lo / bs; block * bs < key_hi; ++block) {
+  const int64_t first_block = key_lo / bs;
+  for (int64_t block = first_block; block * bs < key_hi; ++block) {
     const int64_t key0 = block * bs;
     const T* kb = kc + table[block] * block_elems;
     const T* vb = vc + table[block] * block_elems;
-    for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
+    // Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next
+    // ones: ask for the one PREFETCH_AHEAD blocks on (and, at the start, for the ones
+    // before it) into L2 while this one is computed on.
+    for (int64_t ahead = block == first_block ? 1 : PREFETCH_AHEAD; ahead <= PREFETCH_AHEAD;
+         ++ahead) {
+      if ((block + ahead) * bs >= key_hi) break;
+      const char* nk = reinterpret_cast<const char*>(kc + table[block + ahead] * block_elems);
+      const char* nv = reinterpret_cast<const char*>(vc + table[block + ahead] * block_elems);
+      for (int64_t b = 0; b < block_elems * int64_t(sizeof(T)); b += 64) {
+        __builtin_prefetch(nk + b, 0, 1);
+        __builtin_prefetch(nv + b, 0, 1);
+      }
+    }
+    for (int64_t r0 = 0; r0 < padded; r0 += RB) {
       if constexpr (D > 0) {
-        block_scores<T, D>(w.q.data() + r0 * d, kb, bs, w.p.data() + r0 * bs);
+        block_scores<T, D, RB>(w.q.data() + r0 * d, kb, bs, w.p.data() + r0 * bs);
       } else {
         block_scores_any<T>(w.q.data() + r0 * d, kb, bs, d, w.p.data() + r0 * bs);
       }
@@ -302,10 +325,12 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
       j_lo = std::min(j_lo, lo);
       j_hi = std::max(j_hi, hi + 1);
       float chunk_max = NEG_INF;
-      for (int64_t j = lo; j <= hi; ++j) chunk_max = std::max(chunk_max, pr[j]);
+#pragma omp simd reduction(max : chunk_max)
+      for (int64_t j = lo; j <= hi; ++j) chunk_max = pr[j] > chunk_max ? pr[j] : chunk_max;
       const float old_max = w.row_max[r];
       const float new_max = std::max(old_max, chunk_max);
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < bs; ++j) {
         const float e = exp_nonpositive(pr[j] - new_max);
         pr[j] = (j >= lo && j <= hi) ? e : 0.0f;
@@ -323,9 +348,9 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
       float* ar = w.acc.data() + r * d;
       for (int64_t i = 0; i < d; ++i) ar[i] *= c;
     }
-    for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
+    for (int64_t r0 = 0; r0 < padded; r0 += RB) {
       if constexpr (D > 0) {
-        block_values<T, D>(w.p.data() + r0 * bs, bs, vb, j_lo, j_hi, w.acc.data() + r0 * d);
+        block_values<T, D, RB>(w.p.data() + r0 * bs, bs, vb, j_lo, j_hi, w.acc.data() + r0 * d);
       } else {
         block_values_any<T>(w.p.data() + r0 * bs, bs, vb, j_lo, j_hi, d, w.acc.data() + r0 * d);
       }
@@ -344,7 +369,7 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
   }
 }
 
-template <typename T, int64_t D>
+template <typename T, int64_t D, int64_t RB>
 void paged_attention(const Step& s, const Layer& l) {
   const int64_t work = s.num_items * l.num_kv_heads;
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, s.num_threads)))
@@ -354,17 +379,27 @@ void paged_attention(const Step& s, const Layer& l) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t item = w / l.num_kv_heads;
-      attend<T, D>(s, l, s.items[2 * item], s.items[2 * item + 1], w % l.num_kv_heads,
-                   scratch);
+      attend<T, D, RB>(s, l, s.items[2 * item], s.items[2 * item + 1], w % l.num_kv_heads,
+                       scratch);
     }
   }
 }
 
+template <typename T, int64_t D>
+void dispatch_rows(const Step& s, const Layer& l, bool prefill) {
+  // A decode item has `group` rows; a prefill tile up to TILE_Q times that.
+  const int64_t group = l.num_heads / l.num_kv_heads;
+  if (!prefill && group == 1) return paged_attention<T, D, 1>(s, l);
+  if (!prefill && group == 2) return paged_attention<T, D, 2>(s, l);
+  paged_attention<T, D, 4>(s, l);
+}
+
 template <typename T>
 void dispatch(const Step& s, const Layer& l) {
-  if (s.block_size % LANES == 0 && l.head_dim == 64) return paged_attention<T, 64>(s, l);
-  if (s.block_size % LANES == 0 && l.head_dim == 128) return paged_attention<T, 128>(s, l);
-  paged_attention<T, 0>(s, l);
+  const bool prefill = s.num_tokens > s.num_seqs;
+  if (s.block_size % LANES == 0 && l.head_dim == 64) return dispatch_rows<T, 64>(s, l, prefill);
+  if (s.block_size % LANES == 0 && l.head_dim == 128) return dispatch_rows<T, 128>(s, l, prefill);
+  paged_attention<T, 0, ROW_BLOCK>(s, l);
 }
 
 // ---------------------------------------------------------------------- fused elementwise
@@ -480,6 +515,32 @@ void rotary(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t h
   }
 }
 
+// Greedy sampling with the chosen token's logprob, in one call: per row of float32
+// logits, the first index of the maximum and log_softmax at it, -log(sum_j exp(x_j - max)).
+// (torch: argmax, then logsumexp, then a gather: three passes and three dispatches.)
+void argmax_logprob(const float* logits, int64_t rows, int64_t vocab, int64_t* tokens,
+                    float* logprobs, int64_t threads) {
+#pragma omp parallel for num_threads(int(threads)) schedule(static) if (rows * vocab > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * vocab;
+    float best = NEG_INF;  // NaN never wins over a number
+#pragma omp simd reduction(max : best)
+    for (int64_t j = 0; j < vocab; ++j) best = x[j] > best ? x[j] : best;
+    int64_t arg = 0;
+    for (int64_t j = 0; j < vocab; ++j) {
+      if (x[j] == best) {
+        arg = j;
+        break;
+      }
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < vocab; ++j) sum += exp_nonpositive(x[j] - best);
+    tokens[r] = arg;
+    logprobs[r] = -std::log(sum);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -533,6 +594,11 @@ int llmlab_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows,
     return -1;
   }
   return 0;
+}
+
+void llmlab_argmax_logprob(const float* logits, int64_t rows, int64_t vocab, int64_t* tokens,
+                           float* logprobs, int64_t threads) {
+  argmax_logprob(logits, rows, vocab, tokens, logprobs, threads);
 }
 
 int llmlab_rotary(int dtype, void* x, int64_t tokens, int64_t heads, int64_t token_stride,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from llmlab.attention.backend import (
@@ -188,19 +189,28 @@ class ModelRunner:
         """Flat ``input_ids``, ``positions`` and the attention description of a batch."""
         entries = batch.entries
         input_ids: list[int] = []
-        query_lens, seq_lens = [], []
+        query_lens, seq_lens, starts = [], [], []
         for entry in entries:
+            n = len(entry.token_ids)
             input_ids.extend(entry.token_ids)
-            query_lens.append(len(entry.token_ids))
-            seq_lens.append(entry.start + len(entry.token_ids))
+            query_lens.append(n)
+            starts.append(entry.start)
+            seq_lens.append(entry.start + n)
         tables = block_table_tensor([e.block_table for e in entries])
-        lens = torch.tensor(query_lens, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(entries)), lens)
-        # Position of each flat token: its sequence's start plus its offset in the span.
-        first = torch.cumsum(lens, 0) - lens
-        starts = torch.tensor([e.start for e in entries], dtype=torch.long)
-        positions = torch.arange(int(lens.sum())) - first[seq_index] + starts[seq_index]
-        slots = token_slots(tables, seq_index, positions, self.block_size)
+        # Host-side index arithmetic in numpy: a few small arrays per step, where each
+        # torch op would cost more in dispatch than in work.
+        lens = np.asarray(query_lens, dtype=np.int64)
+        start = np.asarray(starts, dtype=np.int64)
+        if (lens == 1).all():  # all decodes: one token at each start
+            seq_index = np.arange(len(entries))
+            pos = start
+        else:
+            seq_index = np.repeat(np.arange(len(entries)), lens)
+            # Position of each flat token: its sequence's start plus its offset in the span.
+            first = np.cumsum(lens) - lens
+            pos = np.arange(len(input_ids)) - first[seq_index] + start[seq_index]
+        slots = torch.from_numpy(token_slots(tables.numpy(), seq_index, pos, self.block_size))
+        positions = torch.from_numpy(pos)
         dev = self.device
         inputs = AttentionInputs(
             query_lens=query_lens,

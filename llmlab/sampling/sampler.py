@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from llmlab.models.fused import argmax_logprob
 from llmlab.sampling.logprobs import TokenLogprobs, gather_logprobs
 from llmlab.sampling.processors import (
     LogitsProcessor,
@@ -133,8 +134,13 @@ class Sampler:
         # The full log-softmax only when someone reads the top-k; otherwise the chosen
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
+        skippable = self._skippable(requests)
+        if skippable and raw_logprobs is None:
+            # Plain greedy rows, no top-k: one fused pass (on CPU, a C++ kernel).
+            tokens, chosen = argmax_logprob(raw)
+            return SamplerOutput(tokens.tolist(), chosen.tolist(), [None] * len(requests))
         batch = SamplingBatch(requests, raw.shape[-1], raw.device, tokenizer=self.tokenizer)
-        if self._skippable(requests):
+        if skippable:
             work = raw  # plain greedy rows and built-in processors only: nothing to change
         else:
             # The processors' own copy (contiguous even if ``logits`` is an expanded view).

@@ -89,3 +89,17 @@ def test_the_engine_fuses_on_cpu_unless_told_not_to(tiny_llama):
     assert LLM(tiny_llama, dtype="float32").llm_engine.executor.model.fused_ops
     plain = LLM(tiny_llama, dtype="float32", cpu_fused_ops=False)
     assert not plain.llm_engine.executor.model.fused_ops
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 1000), (64, 8000), (2, 151936)])
+def test_argmax_logprob_matches_argmax_and_log_softmax(rows, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = 5 * torch.randn(rows, vocab, generator=gen)
+    logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: first wins
+    if rows > 2:
+        logits[2] = -1e30  # flat row: token 0, logprob -log(vocab)
+    tokens, logprobs = fused.argmax_logprob(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens[0] == vocab // 2
+    want = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, want, rtol=1e-5, atol=1e-5)
