@@ -177,6 +177,19 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid, [])
+        if not prefix_blocks and table and num_new_tokens > 0:
+            # The common decode case, checked first because it runs for every running
+            # request every step: the new tokens land in the last held block, which this
+            # request alone holds and which is not in the prefix index. Nothing to do.
+            write_start = request.num_computed_tokens
+            last = len(table) - 1
+            if (
+                write_start // self.block_size == last
+                and (write_start + num_new_tokens - 1) // self.block_size == last
+                and self.pool.ref_counts[table[last]] == 1
+                and not self.pool.cached[table[last]]
+            ):
+                return True
         prefix = list(prefix_blocks)
         if prefix and table:
             raise ValueError(
