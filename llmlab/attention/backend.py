@@ -107,6 +107,8 @@ class AttentionBackend(Protocol):
     * ``copy_blocks(kv_caches, copies, block_size)``: copy whole KV blocks
       ``(src, dst)`` in every layer (copy-on-write); required only when blocks are shared
       and then written (fork, truncate).
+    * ``check_device(device)`` / ``check_dtype(dtype)``: raise ``ValueError`` saying why the
+      backend cannot run there; the builder calls them before loading any weights.
     """
 
     name: str

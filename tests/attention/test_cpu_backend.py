@@ -7,6 +7,7 @@ float32 on the same (bf16-rounded, for bfloat16) values.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -68,3 +69,21 @@ def test_sliding_window_matchesreference_attention(window, group):
     want, _ = reference_attention(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
     got, _ = _run(inputs, q, k, v, cache, scale=0.125, sliding_window=window)
     assert rel_err(got, want) < 1e-5
+
+
+def test_out_of_range_batches_are_refused_before_the_kernel_runs():
+    """The C++ code does no bounds checks: the backend checks the batch against the cache."""
+    inputs, q, k, v, cache = _batch(
+        [(20, 1), (9, 9)], block_size=16, group=2, head_dim=64, dtype=torch.float32
+    )
+    backend = CpuPagedAttention()
+    own = from_slot_rows(torch.nan_to_num(cache), 16)
+    small = own[:, :, :1].contiguous()  # a cache with fewer blocks than the tables name
+    with pytest.raises(IndexError, match="cache holds 1 blocks"):
+        backend.forward(0, q, k, v, small, backend.build_metadata(inputs), scale=0.125)
+    bad = attrs.evolve(inputs, seq_lens=[200, 9])  # longer than its block table
+    with pytest.raises(ValueError, match="inconsistent attention batch"):
+        backend.build_metadata(bad)
+    negative = attrs.evolve(inputs, slot_mapping=inputs.slot_mapping - 1000)
+    with pytest.raises(ValueError, match="negative KV slot"):
+        backend.build_metadata(negative)
