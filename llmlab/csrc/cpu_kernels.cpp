@@ -91,13 +91,10 @@ inline void store(float x, bf16* out) {
   *out = bf16(bits >> 16);
 }
 
-// exp(x) for x <= 0, branch-free so loops over it vectorise (libm's expf does not, without
-// -ffast-math): Cephes' range reduction x = n ln2 + r, |r| <= ln2 / 2, and its degree-6
-// polynomial; about 1 ulp. Rounding by the 1.5 * 2^23 trick (valid for |n| < 2^22).
-inline float exp_nonpositive(float x) {
-  // 2^-126 > exp(-87): n stays a normal exponent. NaN (a score never used) becomes -87.
-  x = x > -87.0f ? x : -87.0f;
-  x = x < 0.0f ? x : 0.0f;
+// exp(x) for x in [-87, 88], branch-free so loops over it vectorise (libm's expf does not,
+// without -ffast-math): Cephes' range reduction x = n ln2 + r, |r| <= ln2 / 2, and its
+// degree-6 polynomial; about 1 ulp. Rounding by the 1.5 * 2^23 trick (valid for |n| < 2^22).
+inline float exp_in_range(float x) {
   const float magic = 12582912.0f;
   float n = (x * 1.44269504088896341f + magic) - magic;
   float r = x - n * 0.693359375f;
@@ -113,6 +110,19 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return y * scale;
+}
+
+// exp(x) for x <= 0 (softmax terms). 2^-126 > exp(-87): n stays a normal exponent; NaN
+// (a score that is never used) becomes -87.
+inline float exp_nonpositive(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  return exp_in_range(x < 0.0f ? x : 0.0f);
+}
+
+// exp(x) for any float x, clamped to the float range.
+inline float exp_any(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  return exp_in_range(x < 88.0f ? x : 88.0f);
 }
 
 struct Step {
@@ -407,27 +417,6 @@ void dispatch(const Step& s, const Layer& l) {
 // Each replaces a chain of small torch ops (one pass over memory and one dispatch each) by
 // one pass. Rounding follows the torch chain it replaces, so float32 results agree to
 // summation order and bfloat16 ones round at the same points.
-
-// exp(x) for any float x (clamped to the float range): exp_nonpositive's polynomial.
-inline float exp_any(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  x = x < 88.0f ? x : 88.0f;
-  const float magic = 12582912.0f;
-  float n = (x * 1.44269504088896341f + magic) - magic;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * (r * r) + r + 1.0f;
-  int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
-}
 
 template <typename T>
 inline T round_to(float x) {
