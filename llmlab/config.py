@@ -113,7 +113,8 @@ class EngineConfig:
         cpu_linear: on CPU, how linear layers run: ``"onednn"`` reorders every weight once
             at load time into oneDNN's blocked layout (faster, float32 results equal to
             rounding), ``"plain"`` uses ``F.linear``; ``"auto"`` is oneDNN for float32
-            models when this torch build has it (in bfloat16 it measured no faster).
+            models, and for bfloat16 ones where the CPU has native bf16 (avx512_bf16 or
+            AMX), when this torch build has it.
         cpu_fused_ops: on CPU, run the Llama family's residual add + RMSNorm, rotary
             embedding and SiLU x up as fused C++ kernels (``llmlab.models.fused``) when
             llmlab's CPU kernels load; ``False`` keeps the plain torch ops.

@@ -35,7 +35,11 @@ from llmlab.config import EngineConfig
 from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
 from llmlab.engine.model_runner import ModelRunner
-from llmlab.models.cpu_linear import onednn_unavailable_reason, prepack_linears
+from llmlab.models.cpu_linear import (
+    auto_packed_dtypes,
+    onednn_unavailable_reason,
+    prepack_linears,
+)
 from llmlab.models.loader import (
     load_model,
     load_tokenizer,
@@ -134,9 +138,11 @@ class EngineBuilder:
             reason = onednn_unavailable_reason()
             if cfg.cpu_linear == "onednn" and reason is not None:
                 raise ValueError(f"cpu_linear='onednn' cannot run: {reason}; use 'plain'")
-            # "auto" packs float32 only: measured 1.2-1.3x there; in bfloat16, where
-            # F.linear already runs on oneDNN, no gain showed (BENCHMARKS.md, issue 12).
-            prepack = reason is None and (cfg.cpu_linear == "onednn" or dtype == torch.float32)
+            # "auto" packs float32 (1.2-1.4x measured) and bfloat16 where oneDNN has native
+            # bf16 kernels (1.1x once attention stopped dominating; BENCHMARKS.md, issue 12).
+            prepack = reason is None and (
+                cfg.cpu_linear == "onednn" or dtype in auto_packed_dtypes()
+            )
         model = load_model(model_path, hf_config, dtype, device)
         if prepack:
             prepack_linears(model)

@@ -26,6 +26,14 @@ def onednn_unavailable_reason() -> str | None:
     return None
 
 
+def auto_packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes ``cpu_linear="auto"`` packs: float32, and bfloat16 where oneDNN runs bf16
+    natively (avx512_bf16 or AMX; elsewhere it would emulate it)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([out, in]) reordered once into oneDNN's blocked layout."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -76,10 +76,17 @@ def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
     assert _model(LLM(tiny_llama, dtype="float32"))._modules.get("packed_head") is None
 
 
-def test_auto_packs_float32_models_only(tiny_llama):
+def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
+    import llmlab.engine.builder as builder
+
     def packed(llm):
         return _model(llm)._modules.get("packed_head") is not None
 
     assert packed(LLM(tiny_llama, dtype="float32"))
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packed(LLM(tiny_llama, dtype="bfloat16")) == native
+    assert not packed(LLM(tiny_llama, dtype="bfloat16", cpu_linear="plain"))
+    # Without native bf16, "auto" leaves bfloat16 models on F.linear; "onednn" still packs.
+    monkeypatch.setattr(builder, "auto_packed_dtypes", lambda: (torch.float32,))
     assert not packed(LLM(tiny_llama, dtype="bfloat16"))
     assert packed(LLM(tiny_llama, dtype="bfloat16", cpu_linear="onednn"))
