@@ -24,7 +24,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        # Membership of the member itself: ``self.value`` goes through the enum's
+        # descriptor, which costs more than this check runs per step.
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 @attrs.define(eq=False)

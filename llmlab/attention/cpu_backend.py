@@ -143,14 +143,18 @@ class CpuPagedAttention:
         np.cumsum(query_lens, out=query_start[1:])
         # Work items: (sequence, first query of a tile), the tiles that see the most keys
         # first so the dynamic schedule does not end on one long tile.
-        tile = kernels.tile_q
-        tiles = -(-query_lens // tile)
-        seq = np.repeat(np.arange(len(query_lens), dtype=np.int64), tiles)
-        tile_start = np.repeat(np.cumsum(tiles) - tiles, tiles)
-        first = (np.arange(len(seq), dtype=np.int64) - tile_start) * tile
-        last_key = seq_lens[seq] - query_lens[seq] + np.minimum(first + tile, query_lens[seq])
-        order = np.argsort(-last_key, kind="stable")
-        items = np.ascontiguousarray(np.stack([seq[order], first[order]], axis=1))
+        if query_start[-1] == len(query_lens):  # all decodes: one tile per sequence
+            items = np.zeros((len(query_lens), 2), dtype=np.int64)
+            items[:, 0] = np.argsort(-seq_lens, kind="stable")
+        else:
+            tile = kernels.tile_q
+            tiles = -(-query_lens // tile)
+            seq = np.repeat(np.arange(len(query_lens), dtype=np.int64), tiles)
+            tile_start = np.repeat(np.cumsum(tiles) - tiles, tiles)
+            first = (np.arange(len(seq), dtype=np.int64) - tile_start) * tile
+            last_key = seq_lens[seq] - query_lens[seq] + np.minimum(first + tile, query_lens[seq])
+            order = np.argsort(-last_key, kind="stable")
+            items = np.ascontiguousarray(np.stack([seq[order], first[order]], axis=1))
         tables = inputs.block_tables.to(torch.int64).contiguous()
         slots = inputs.slot_mapping.to(torch.int64).contiguous()
         _check_batch(query_lens, seq_lens, tables, slots, inputs.block_size)

@@ -669,18 +669,25 @@ class Engine:
     ) -> StepEvent:
         kv = self.scheduler.kv
         end = self.clock()
-        # A decode is a one-token span past the prompt; everything else is prefill (prompt
-        # chunks, and recomputation after preemption).
-        num_decode = sum(
-            1
-            for e in batch.entries
-            if e.num_new_tokens == 1 and e.start >= e.request.num_prompt_tokens
-        )
+        # One pass over the entries for every per-entry field (this runs every step).
+        scheduled, users, priorities, num_computed = [], [], [], []
+        num_decode = 0
+        for e in batch.entries:
+            request = e.request
+            n = len(e.token_ids)
+            scheduled.append((request.request_id, n))
+            users.append(request.user)
+            priorities.append(request.priority)
+            num_computed.append(request.num_computed_tokens)
+            # A decode is a one-token span past the prompt; everything else is prefill
+            # (prompt chunks, and recomputation after preemption).
+            if n == 1 and e.start >= len(request.prompt_token_ids):
+                num_decode += 1
         event = StepEvent(
             step_index=self._step_index,
-            scheduled=tuple((e.request_id, e.num_new_tokens) for e in batch.entries),
-            scheduled_users=tuple(e.request.user for e in batch.entries),
-            scheduled_priorities=tuple(e.request.priority for e in batch.entries),
+            scheduled=tuple(scheduled),
+            scheduled_users=tuple(users),
+            scheduled_priorities=tuple(priorities),
             num_batched_tokens=batch.num_batched_tokens,
             preempted=batch.preempted,
             finished=tuple((r.request_id, r.finish_reason) for r in finished),
@@ -703,7 +710,7 @@ class Engine:
             sampled=sampled,
             arrived=tuple(self._arrived_since_step),
             num_prefill_tokens=batch.num_batched_tokens - num_decode,
-            num_computed=tuple(e.request.num_computed_tokens for e in batch.entries),
+            num_computed=tuple(num_computed),
             blocks_cached=blocks.cached,
             block_tables=blocks.tables,
         )
