@@ -87,3 +87,32 @@ def test_out_of_range_batches_are_refused_before_the_kernel_runs():
     negative = attrs.evolve(inputs, slot_mapping=inputs.slot_mapping - 1000)
     with pytest.raises(ValueError, match="negative KV slot"):
         backend.build_metadata(negative)
+
+
+def test_copy_blocks_copies_whole_blocks_of_keys_and_values():
+    backend = CpuPagedAttention()
+    shape = backend.kv_cache_shape(num_blocks=6, block_size=4, num_kv_heads=2, head_dim=16)
+    caches = [torch.randn(shape) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    backend.copy_blocks(caches, [(1, 4), (5, 0)], block_size=4)
+    for cache, old in zip(caches, before, strict=True):
+        assert torch.equal(cache[:, :, 4], old[:, :, 1]) and torch.equal(cache[:, :, 0], old[:, :, 5])
+        assert torch.equal(cache[:, :, 1:4], old[:, :, 1:4]) and torch.equal(cache[:, :, 5], old[:, :, 5])
+        # In slot terms: block 4's tokens are block 1's (keys transposed within a block).
+        rows, old_rows = slot_rows(cache, 4), slot_rows(old, 4)
+        assert torch.equal(rows[:, :, 16:20], old_rows[:, :, 4:8])
+
+
+def test_parallel_samples_share_then_copy_blocks_on_the_cpu_backend(tiny_llama):
+    """n > 1 forks a request's blocks (copy-on-write of the partly written last block):
+    greedy samples must all equal the single greedy continuation."""
+    from llmlab import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, dtype="float32", block_size=4, attention_backend="cpu", seed=0)
+    prompt = {"prompt_token_ids": [5, 9, 14, 3, 7, 22, 8]}  # 7 tokens: the last block is shared
+    one = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
+                                                ignore_eos=True), use_tqdm=False)
+    many = llm.generate([prompt], SamplingParams(temperature=0.0, n=3, max_tokens=12,
+                                                 ignore_eos=True), use_tqdm=False)
+    want = one[0].outputs[0].token_ids
+    assert [o.token_ids for o in many[0].outputs] == [want] * 3
