@@ -41,8 +41,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         default="auto",
-        help=f"{names}; default auto (triton on CUDA, torch elsewhere)",
+        help=f"{names}; default auto (triton on CUDA, llmlab's C++ kernels on CPU, else torch)",
     )
+    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "plain"), default="auto",
+                        help="on CPU: prepacked oneDNN linears or F.linear (default auto)")
+    parser.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CPU: fused C++ residual+norm, rotary, SiLU x up (default on)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +146,8 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "scheduling_policy": args.scheduling_policy,
         "eviction_policy": args.eviction_policy,
         "attention_backend": args.attention_backend,
+        "cpu_linear": args.cpu_linear,
+        "cpu_fused_ops": args.cpu_fused_ops,
     }
 
 
