@@ -136,6 +136,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block ids in position order, as an immutable copy."""
+        return tuple(self._tables.get(request_id, ()))
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

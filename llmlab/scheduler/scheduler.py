@@ -355,7 +355,7 @@ class Scheduler:
             row=request.row,
             start=start,
             token_ids=tuple(request.all_token_ids[start:end]),
-            block_table=tuple(self.kv.block_ids(request.request_id)),
+            block_table=self.kv.block_table(request.request_id),
             num_scored=1 if scored else 0,
             new_row=new_row,
             forks=tuple(request.forks) if scored else (),
