@@ -57,26 +57,6 @@ def from_slot_rows(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack([keys, values]).contiguous()
 
 
-def _check_batch(query_lens, seq_lens, tables, slots, block_size: int) -> None:
-    """Reject a batch description the kernel would read out of bounds with (the engine
-    never builds one; a hand-made ``AttentionInputs`` might)."""
-    if len(query_lens) and (
-        (query_lens < 1).any() or (seq_lens < query_lens).any()
-        or int(seq_lens.max()) > tables.shape[1] * block_size
-        or int(query_lens.sum()) != slots.shape[0]
-    ):
-        raise ValueError(
-            "inconsistent attention batch: every sequence needs 1 <= query_len <= seq_len "
-            "<= block table width * block_size, and one slot per new token "
-            f"(query_lens {query_lens.tolist()}, seq_lens {seq_lens.tolist()}, table width "
-            f"{tables.shape[1]}, block_size {block_size}, {slots.shape[0]} slots)"
-        )
-    if slots.numel() and int(slots.min()) < 0:
-        raise ValueError("negative KV slot in slot_mapping")
-    if tables.numel() and int(tables.min()) < 0:
-        raise ValueError("negative block id in block_tables")
-
-
 @attrs.define(eq=False)
 class CpuAttentionMetadata:
     """One step's batch as the kernel reads it (the tensors stay referenced here for as
@@ -85,10 +65,6 @@ class CpuAttentionMetadata:
     step: cpu_kernels._Step
     slot_mapping: torch.Tensor
     arrays: tuple  # the int64 buffers ``step`` points to
-    # The largest block id and slot the step touches: checked against each layer's cache
-    # before the C++ code runs, which does no bounds checks of its own.
-    max_block: int = 0
-    max_slot: int = -1
 
 
 @attrs.define
@@ -157,7 +133,6 @@ class CpuPagedAttention:
             items = np.ascontiguousarray(np.stack([seq[order], first[order]], axis=1))
         tables = inputs.block_tables.to(torch.int64).contiguous()
         slots = inputs.slot_mapping.to(torch.int64).contiguous()
-        _check_batch(query_lens, seq_lens, tables, slots, inputs.block_size)
         step = cpu_kernels._Step(
             query_start=query_start.ctypes.data,
             seq_lens=seq_lens.ctypes.data,
@@ -171,13 +146,7 @@ class CpuPagedAttention:
             block_size=inputs.block_size,
             num_threads=torch.get_num_threads(),
         )
-        return CpuAttentionMetadata(
-            step,
-            slots,
-            (query_start, seq_lens, items, tables),
-            max_block=int(tables.max()) if tables.numel() else 0,
-            max_slot=int(slots.max()) if slots.numel() else -1,
-        )
+        return CpuAttentionMetadata(step, slots, (query_start, seq_lens, items, tables))
 
     def forward(
         self,
@@ -205,16 +174,11 @@ class CpuPagedAttention:
         v = v.to(q.dtype) if v.dtype != q.dtype else v
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        num_blocks, block_size = kv_cache.shape[2], metadata.step.block_size
+        block_size = metadata.step.block_size
         if kv_cache.shape[3] != block_size * q.shape[2] or q.shape[1] % kv_cache.shape[1]:
             raise ValueError(
                 f"kv_cache {tuple(kv_cache.shape)} does not fit block_size {block_size}, "
                 f"{q.shape[1]} query heads of {q.shape[2]} channels"
-            )
-        if metadata.max_block >= num_blocks or metadata.max_slot >= num_blocks * block_size:
-            raise IndexError(
-                f"the step addresses block {metadata.max_block} / slot {metadata.max_slot}, "
-                f"but the cache holds {num_blocks} blocks"
             )
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty((q.shape[0], num_heads, head_dim), dtype=q.dtype)
@@ -232,6 +196,9 @@ class CpuPagedAttention:
             key_cache=key_cache.data_ptr(),
             value_cache=value_cache.data_ptr(),
             cache_head_stride=key_cache.stride(0),
+            # The kernel checks every block id, slot and length against this (and the
+            # batch): a bad batch is an IndexError, never a read out of bounds.
+            num_blocks=key_cache.shape[1],
             out=out.data_ptr(),
             num_heads=num_heads,
             num_kv_heads=key_cache.shape[0],
@@ -241,6 +208,12 @@ class CpuPagedAttention:
         )
         kernels = cpu_kernels.load()
         status = kernels.paged_attention(code, ctypes.byref(metadata.step), ctypes.byref(layer))
+        if status == -2:
+            raise IndexError(
+                f"attention batch does not fit the KV cache ({key_cache.shape[1]} blocks of "
+                f"{block_size}): a block id or slot outside it, or inconsistent lengths (every "
+                "sequence needs 1 <= new tokens <= context <= block table width * block_size)"
+            )
         if status != 0:
             raise RuntimeError(f"the CPU attention kernel failed with status {status}")
         return out

@@ -145,6 +145,7 @@ class _Layer(ctypes.Structure):
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
         ("cache_head_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
         ("out", ctypes.c_void_p),
         ("num_heads", ctypes.c_int64),
         ("num_kv_heads", ctypes.c_int64),

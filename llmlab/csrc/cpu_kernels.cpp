@@ -151,14 +151,16 @@ struct Layer {
   void* key_cache;    // [num_kv_heads, num_blocks, head_dim, block_size]
   void* value_cache;  // [num_kv_heads, num_blocks, block_size, head_dim]
   int64_t cache_head_stride;  // num_blocks * block_size * head_dim
+  int64_t num_blocks;  // blocks in the cache: every block id and slot is checked against it
   void* out;          // [num_tokens, num_heads, head_dim], contiguous
   int64_t num_heads, num_kv_heads, head_dim;
   float scale;
   int64_t sliding_window;  // 0: none
 };
 
+// Writes the new tokens' K/V. A slot outside the cache is not written: it sets `bad`.
 template <typename T>
-void write_kv(const Step& s, const Layer& l) {
+void write_kv(const Step& s, const Layer& l, int& bad) {
   const T* k = static_cast<const T*>(l.k);
   const T* v = static_cast<const T*>(l.v);
   T* kc = static_cast<T*>(l.key_cache);
@@ -167,6 +169,11 @@ void write_kv(const Step& s, const Layer& l) {
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < s.num_tokens; ++t) {
     const int64_t slot = s.slot_mapping[t];
+    if (slot < 0 || slot >= l.num_blocks * bs) {
+#pragma omp atomic write
+      bad = 1;
+      continue;
+    }
     const int64_t block = slot / bs, offset = slot % bs;
     for (int64_t h = 0; h < l.num_kv_heads; ++h) {
       const T* src = k + t * l.k_token_stride + h * l.k_head_stride;
@@ -253,14 +260,22 @@ inline void block_values_any(const float* p, int64_t bs, const T* vb, int64_t j0
 
 // D > 0: head_dim known at compile time and block_size a multiple of LANES (vector path),
 // RB rows at a time; D == 0: any head_dim and block size (scalar path, RB = ROW_BLOCK).
+// Attends one work item. Returns false, having written nothing, if the item's lengths or
+// block ids do not fit the batch and the cache (the Python side checks nothing per step:
+// this is where an inconsistent batch is caught, at the cost of a compare per block).
 template <typename T, int64_t D, int64_t RB>
-void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t kv_head,
+bool attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t kv_head,
             Scratch& w) {
+  if (seq < 0 || seq >= s.num_seqs) return false;
   const int64_t d = D > 0 ? D : l.head_dim;
   const int64_t group = l.num_heads / l.num_kv_heads;
   const int64_t q_begin = s.query_start[seq];
   const int64_t q_len = s.query_start[seq + 1] - q_begin;
   const int64_t ctx = s.seq_lens[seq];
+  if (q_len < 1 || first < 0 || first >= q_len || ctx < q_len ||
+      ctx > s.table_stride * s.block_size) {
+    return false;
+  }
   const int64_t nq = std::min(TILE_Q, q_len - first);
   const int64_t rows = nq * group;
   const int64_t padded = (rows + RB - 1) / RB * RB;
@@ -297,6 +312,7 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
 
   const int64_t first_block = key_lo / bs;
   for (int64_t block = first_block; block * bs < key_hi; ++block) {
+    if (table[block] < 0 || table[block] >= l.num_blocks) return false;
     const int64_t key0 = block * bs;
     const T* kb = kc + table[block] * block_elems;
     const T* vb = vc + table[block] * block_elems;
@@ -305,7 +321,7 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
     // before it) into L2 while this one is computed on.
     for (int64_t ahead = block == first_block ? 1 : PREFETCH_AHEAD; ahead <= PREFETCH_AHEAD;
          ++ahead) {
-      if ((block + ahead) * bs >= key_hi) break;
+      if ((block + ahead) * bs >= key_hi || table[block + ahead] >= l.num_blocks) break;
       const char* nk = reinterpret_cast<const char*>(kc + table[block + ahead] * block_elems);
       const char* nv = reinterpret_cast<const char*>(vc + table[block + ahead] * block_elems);
       for (int64_t b = 0; b < block_elems * int64_t(sizeof(T)); b += 64) {
@@ -377,39 +393,48 @@ void attend(const Step& s, const Layer& l, int64_t seq, int64_t first, int64_t k
     const float inv = 1.0f / w.row_sum[r];
     for (int64_t i = 0; i < d; ++i) store(ar[i] * inv, dst + i);
   }
+  return true;
 }
 
+// Returns 0, or -2 when the batch addresses something outside the cache or its lengths
+// are inconsistent (nothing is then read or written out of bounds).
 template <typename T, int64_t D, int64_t RB>
-void paged_attention(const Step& s, const Layer& l) {
+int paged_attention(const Step& s, const Layer& l) {
+  if (s.query_start[s.num_seqs] != s.num_tokens) return -2;
   const int64_t work = s.num_items * l.num_kv_heads;
+  int bad = 0;
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, s.num_threads)))
   {
-    write_kv<T>(s, l);  // ends in the implicit barrier of its omp for
+    write_kv<T>(s, l, bad);  // ends in the implicit barrier of its omp for
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t item = w / l.num_kv_heads;
-      attend<T, D, RB>(s, l, s.items[2 * item], s.items[2 * item + 1], w % l.num_kv_heads,
-                       scratch);
+      if (!attend<T, D, RB>(s, l, s.items[2 * item], s.items[2 * item + 1],
+                            w % l.num_kv_heads, scratch)) {
+#pragma omp atomic write
+        bad = 1;
+      }
     }
   }
+  return bad ? -2 : 0;
 }
 
 template <typename T, int64_t D>
-void dispatch_rows(const Step& s, const Layer& l, bool prefill) {
+int dispatch_rows(const Step& s, const Layer& l, bool prefill) {
   // A decode item has `group` rows; a prefill tile up to TILE_Q times that.
   const int64_t group = l.num_heads / l.num_kv_heads;
   if (!prefill && group == 1) return paged_attention<T, D, 1>(s, l);
   if (!prefill && group == 2) return paged_attention<T, D, 2>(s, l);
-  paged_attention<T, D, 4>(s, l);
+  return paged_attention<T, D, 4>(s, l);
 }
 
 template <typename T>
-void dispatch(const Step& s, const Layer& l) {
+int dispatch(const Step& s, const Layer& l) {
   const bool prefill = s.num_tokens > s.num_seqs;
   if (s.block_size % LANES == 0 && l.head_dim == 64) return dispatch_rows<T, 64>(s, l, prefill);
   if (s.block_size % LANES == 0 && l.head_dim == 128) return dispatch_rows<T, 128>(s, l, prefill);
-  paged_attention<T, 0, ROW_BLOCK>(s, l);
+  return paged_attention<T, 0, ROW_BLOCK>(s, l);
 }
 
 // ---------------------------------------------------------------------- fused elementwise
@@ -541,16 +566,12 @@ const char* llmlab_source_hash() { return LLMLAB_SOURCE_HASH; }
 int64_t llmlab_tile_q() { return TILE_Q; }
 
 // Write the layer's new K/V into the paged cache, then attend. dtype: 0 float32,
-// 1 bfloat16 (q, k, v, caches and out all of it). Returns 0, or -1 for an unknown dtype.
+// 1 bfloat16 (q, k, v, caches and out all of it). Returns 0; -1 for an unknown dtype; -2
+// for a batch that addresses blocks or slots outside the cache or has inconsistent lengths.
 int llmlab_paged_attention(int dtype, const Step* step, const Layer* layer) {
-  if (dtype == 0) {
-    dispatch<float>(*step, *layer);
-  } else if (dtype == 1) {
-    dispatch<bf16>(*step, *layer);
-  } else {
-    return -1;
-  }
-  return 0;
+  if (dtype == 0) return dispatch<float>(*step, *layer);
+  if (dtype == 1) return dispatch<bf16>(*step, *layer);
+  return -1;
 }
 
 // The fused elementwise ops (see above). dtype as for llmlab_paged_attention; every tensor

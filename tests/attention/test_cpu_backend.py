@@ -71,22 +71,33 @@ def test_sliding_window_matchesreference_attention(window, group):
     assert rel_err(got, want) < 1e-5
 
 
-def test_out_of_range_batches_are_refused_before_the_kernel_runs():
-    """The C++ code does no bounds checks: the backend checks the batch against the cache."""
+def test_out_of_range_batches_are_refused_not_read_out_of_bounds():
+    """The C++ kernel checks every block id, slot and length against the cache: a bad
+    batch is an IndexError, and nothing outside the cache is written."""
     inputs, q, k, v, cache = _batch(
         [(20, 1), (9, 9)], block_size=16, group=2, head_dim=64, dtype=torch.float32
     )
     backend = CpuPagedAttention()
     own = from_slot_rows(torch.nan_to_num(cache), 16)
-    small = own[:, :, :1].contiguous()  # a cache with fewer blocks than the tables name
-    with pytest.raises(IndexError, match="cache holds 1 blocks"):
-        backend.forward(0, q, k, v, small, backend.build_metadata(inputs), scale=0.125)
-    bad = attrs.evolve(inputs, seq_lens=[200, 9])  # longer than its block table
-    with pytest.raises(ValueError, match="inconsistent attention batch"):
-        backend.build_metadata(bad)
-    negative = attrs.evolve(inputs, slot_mapping=inputs.slot_mapping - 1000)
-    with pytest.raises(ValueError, match="negative KV slot"):
-        backend.build_metadata(negative)
+
+    def run(batch, kv):
+        return backend.forward(0, q, k, v, kv, backend.build_metadata(batch), scale=0.125)
+
+    small = own[:, :, :1].contiguous()  # fewer blocks than the tables name
+    with pytest.raises(IndexError, match="does not fit the KV cache"):
+        run(inputs, small)
+    for bad in (
+        attrs.evolve(inputs, seq_lens=[200, 9]),  # longer than its block table
+        attrs.evolve(inputs, seq_lens=[20, 5]),  # fewer context tokens than new ones
+        attrs.evolve(inputs, slot_mapping=inputs.slot_mapping - 1000),  # negative slots
+        attrs.evolve(inputs, block_tables=inputs.block_tables + 10_000),  # foreign blocks
+    ):
+        before = own.clone()
+        with pytest.raises(IndexError, match="does not fit the KV cache"):
+            run(bad, own)
+        changed = ~(own == before) & ~(own.isnan() & before.isnan())
+        assert not changed.any() or bad.slot_mapping is inputs.slot_mapping
+    run(inputs, own)  # and the good batch still runs
 
 
 def test_copy_blocks_copies_whole_blocks_of_keys_and_values():
