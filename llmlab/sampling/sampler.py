@@ -130,15 +130,15 @@ class Sampler:
         if not requests:
             return SamplerOutput([], [], [])
         raw = logits.float()
+        if self._builtin_only() and all(_plain_greedy(r) for r in requests):
+            # Plain greedy rows, no top-k: one fused pass (on CPU, a C++ kernel).
+            tokens, chosen = argmax_logprob(raw)
+            return SamplerOutput(tokens.tolist(), chosen.tolist(), [None] * len(requests))
         wants_top = any(r.sampling_params.logprobs is not None for r in requests)
         # The full log-softmax only when someone reads the top-k; otherwise the chosen
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
         skippable = self._skippable(requests)
-        if skippable and raw_logprobs is None:
-            # Plain greedy rows, no top-k: one fused pass (on CPU, a C++ kernel).
-            tokens, chosen = argmax_logprob(raw)
-            return SamplerOutput(tokens.tolist(), chosen.tolist(), [None] * len(requests))
         batch = SamplingBatch(requests, raw.shape[-1], raw.device, tokenizer=self.tokenizer)
         if skippable:
             work = raw  # plain greedy rows and built-in processors only: nothing to change
@@ -158,20 +158,13 @@ class Sampler:
             top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
 
+    def _builtin_only(self) -> bool:
+        return all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
+
     def _skippable(self, requests: Sequence[Request]) -> bool:
         """Whether every processor would leave these rows alone: only built-in processors,
         and every row greedy with nothing else that changes its logits."""
-        if not all(type(p) in _BUILTIN_PROCESSORS for p in self.processors):
-            return False
-        for r in requests:
-            p = r.sampling_params
-            if (
-                p.temperature != 0.0 or _restricts(r) or p.logit_bias
-                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0
-            ):
-                return False
-        return True
+        return self._builtin_only() and all(_unchanged_greedy(r) for r in requests)
 
     def _draw(
         self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
@@ -250,6 +243,26 @@ class Sampler:
             else:
                 noise[j].exponential_(generator=own)
         return (probs / noise).argmax(dim=-1)
+
+
+def _unchanged_greedy(request) -> bool:
+    """Greedy, and nothing (constraint, bias, penalty) changes the request's logits."""
+    p = request.sampling_params
+    return not (
+        p.temperature != 0.0 or _restricts(request) or p.logit_bias
+        or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
+
+
+def _plain_greedy(request) -> bool:
+    """:func:`_unchanged_greedy` and no logprobs asked for; cached on the request (its
+    parameters and constraints do not change once it is scheduled)."""
+    flag = request.plain_greedy
+    if flag is None:
+        flag = _unchanged_greedy(request) and request.sampling_params.logprobs is None
+        request.plain_greedy = flag
+    return flag
 
 
 def _restricts(request) -> bool:
