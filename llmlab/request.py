@@ -96,9 +96,6 @@ class Request:
     # engine when the request needs them.
     detokenizer: Any = None
     grammar: Any = None
-    # The sampler's cache of "plain greedy, no logprobs, nothing changes the logits"
-    # (parameters and constraints are fixed once a request is scheduled); None: not known.
-    plain_greedy: bool | None = attrs.field(default=None, repr=False)
     # What the engine has reported (DELTA outputs) and the vLLM-shaped logprob dicts it
     # built, extended as tokens arrive rather than rebuilt every step.
     num_reported_tokens: int = 0

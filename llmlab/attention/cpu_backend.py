@@ -63,7 +63,6 @@ class CpuAttentionMetadata:
     long as the ``step`` structure points into them)."""
 
     step: cpu_kernels._Step
-    slot_mapping: torch.Tensor
     arrays: tuple  # the int64 buffers ``step`` points to
 
 
@@ -119,7 +118,7 @@ class CpuPagedAttention:
         np.cumsum(query_lens, out=query_start[1:])
         # Work items: (sequence, first query of a tile), the tiles that see the most keys
         # first so the dynamic schedule does not end on one long tile.
-        if query_start[-1] == len(query_lens):  # all decodes: one tile per sequence
+        if (query_lens == 1).all():  # all decodes: one tile per sequence
             items = np.zeros((len(query_lens), 2), dtype=np.int64)
             items[:, 0] = np.argsort(-seq_lens, kind="stable")
         else:
@@ -146,7 +145,7 @@ class CpuPagedAttention:
             block_size=inputs.block_size,
             num_threads=torch.get_num_threads(),
         )
-        return CpuAttentionMetadata(step, slots, (query_start, seq_lens, items, tables))
+        return CpuAttentionMetadata(step, (query_start, seq_lens, items, tables, slots))
 
     def forward(
         self,

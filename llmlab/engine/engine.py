@@ -495,12 +495,7 @@ class Engine:
                     progressed.extend((f, 0) for f in entry.forks)
             finished = self.scheduler.update(batch, output)
         for request, before in progressed:
-            # (Most requests in a token-id run have neither a grammar nor a detokenizer.)
-            if (
-                (request.grammar is not None or request.detokenizer is not None)
-                and len(request.output_token_ids) > before
-                and self._advance_text(request, before)
-            ):
+            if request.num_output_tokens > before and self._advance_text(request, before):
                 finished.append(request)
         errors = self.scheduler.take_errors()
         failed = [
@@ -513,12 +508,7 @@ class Engine:
         # One output per caller-visible request that progressed, in batch order.
         touched: dict[str, Request] = {}
         for request, before in progressed:
-            if len(request.output_token_ids) > before and request not in failed:
-                if (
-                    request.group is None and not request.status.is_finished
-                    and request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
-                ):
-                    continue  # nothing is due yet (what _output would conclude)
+            if request.num_output_tokens > before and request not in failed:
                 touched.setdefault(_caller_id(request), request)
         for request in failed:
             touched.setdefault(_caller_id(request), request)
@@ -533,9 +523,9 @@ class Engine:
                 self._groups.pop(group.request_id, None)
 
         sampled = tuple(
-            (r.request_id, n - before)
+            (r.request_id, r.num_output_tokens - before)
             for r, before in progressed
-            if (n := len(r.output_token_ids)) > before
+            if r.num_output_tokens > before
         )
         blocks = self.scheduler.kv.drain_events()
         event = None

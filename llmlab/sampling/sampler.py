@@ -44,7 +44,7 @@ def _default_top(self: SamplerOutput) -> list[TokenLogprobs | None]:
 
 logger = logging.getLogger(__name__)
 
-# Processor types known to change nothing for a plain greedy row (see Sampler._skippable).
+# Processor types known to change nothing for a plain greedy row (see Sampler.__call__).
 _BUILTIN_PROCESSORS = frozenset(type(p) for p in default_processors())
 
 
@@ -130,7 +130,8 @@ class Sampler:
         if not requests:
             return SamplerOutput([], [], [])
         raw = logits.float()
-        if self._builtin_only() and all(_plain_greedy(r) for r in requests):
+        builtin_only = all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
+        if builtin_only and all(_plain_greedy(r) for r in requests):
             # Plain greedy rows, no top-k: one fused pass (on CPU, a C++ kernel).
             tokens, chosen = argmax_logprob(raw)
             return SamplerOutput(tokens.tolist(), chosen.tolist(), [None] * len(requests))
@@ -138,7 +139,7 @@ class Sampler:
         # The full log-softmax only when someone reads the top-k; otherwise the chosen
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
-        skippable = self._skippable(requests)
+        skippable = builtin_only and all(_unchanged_greedy(r) for r in requests)
         batch = SamplingBatch(requests, raw.shape[-1], raw.device, tokenizer=self.tokenizer)
         if skippable:
             work = raw  # plain greedy rows and built-in processors only: nothing to change
@@ -157,14 +158,6 @@ class Sampler:
             chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
-
-    def _builtin_only(self) -> bool:
-        return all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
-
-    def _skippable(self, requests: Sequence[Request]) -> bool:
-        """Whether every processor would leave these rows alone: only built-in processors,
-        and every row greedy with nothing else that changes its logits."""
-        return self._builtin_only() and all(_unchanged_greedy(r) for r in requests)
 
     def _draw(
         self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
@@ -256,13 +249,8 @@ def _unchanged_greedy(request) -> bool:
 
 
 def _plain_greedy(request) -> bool:
-    """:func:`_unchanged_greedy` and no logprobs asked for; cached on the request (its
-    parameters and constraints do not change once it is scheduled)."""
-    flag = request.plain_greedy
-    if flag is None:
-        flag = _unchanged_greedy(request) and request.sampling_params.logprobs is None
-        request.plain_greedy = flag
-    return flag
+    """:func:`_unchanged_greedy` and no logprobs asked for: a row the fused argmax serves."""
+    return request.sampling_params.logprobs is None and _unchanged_greedy(request)
 
 
 def _restricts(request) -> bool:
