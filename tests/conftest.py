@@ -41,3 +41,36 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("LlamaForCausalLM")
+
+
+
+
+# On CUDA an engine takes gpu_memory_utilization (0.9 by default) of the whole device for its
+# KV cache, minus what is already in use, as vLLM's does. The suite builds many engines, some
+# alive at once (module-scoped fixtures) and in several pytest-xdist workers sharing one GPU:
+# at 90% each, every engine after the first would find no room. So in the tests each engine
+# sizes its cache as if the device had TEST_DEVICE_BYTES (still scaled by the utilization, so
+# tests of that setting keep their meaning), and never more than the real budget.
+# Subprocesses (the CLI tests) get an explicit cache size instead: tests.helpers.CLI_KV_FLAGS.
+TEST_DEVICE_BYTES = 2 << 30
+
+if torch.cuda.is_available():
+    import functools
+
+    from llmlab.cache import kv_tensors
+
+    @functools.wraps(kv_tensors._cuda_budget)
+    def _test_cuda_budget(device, gpu_memory_utilization, profile_peak_bytes):
+        real = _test_cuda_budget.__wrapped__(device, gpu_memory_utilization, profile_peak_bytes)
+        return min(real, int(gpu_memory_utilization * TEST_DEVICE_BYTES))
+
+    kv_tensors._cuda_budget = _test_cuda_budget
+
+    @pytest.fixture(autouse=True)
+    def _release_cuda_memory():
+        """Free each test's engines before the next one sizes its KV cache."""
+        yield
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

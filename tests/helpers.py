@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from llmlab.request import Request
 from llmlab.sampling.params import SamplingParams
 
 _ids = itertools.count()
+
+# `llmlab generate` / `serve` run by the CLI tests: on CUDA an explicit KV cache size, so a
+# subprocess does not claim 90% of a GPU that other tests (and xdist workers) share.
+CLI_KV_FLAGS = ["--kv-cache-memory-bytes", str(256 << 20)] if torch.cuda.is_available() else []
 
 
 def make_request(tokens, *, arrival=None, max_tokens=16, request_id=None, **params) -> Request:

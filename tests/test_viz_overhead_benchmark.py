@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import viz_overhead
+pytest.importorskip("ipywidgets", reason="the overhead benchmark drives the widget views")
+
+from benchmarks import viz_overhead  # noqa: E402
 
 
 @pytest.mark.slow  # builds the benchmark's 8-layer model: about 20 s

@@ -10,7 +10,8 @@ import torch
 def auto_backend(device: torch.device, dtype: torch.dtype | None = None):
     """The backend ``attention_backend="auto"`` picks:
 
-    * CUDA: the Triton kernels when triton can run them, else the torch reference;
+    * CUDA: the Triton kernels when triton can run them and they compile for ``dtype``
+      (float32, bfloat16, float16), else the torch reference;
     * CPU: llmlab's C++ kernels (:class:`~llmlab.attention.cpu_backend.CpuPagedAttention`)
       for float32 and bfloat16 (``dtype=None``: either), else the torch reference. When
       the kernels cannot load (no C++ compiler, say) a ``RuntimeWarning`` says why, and
@@ -20,7 +21,9 @@ def auto_backend(device: torch.device, dtype: torch.dtype | None = None):
     from llmlab.attention.torch_backend import TorchPagedAttention
 
     if device.type == "cuda":
-        if triton_backend.triton_unavailable_reason(device) is None:
+        if triton_backend.triton_unavailable_reason(device) is None and (
+            dtype is None or dtype in triton_backend.TRITON_DTYPES
+        ):
             return triton_backend.TritonPagedAttention()
         return TorchPagedAttention()
     if device.type == "cpu" and (dtype is None or dtype in cpu_backend.DTYPE_CODES):

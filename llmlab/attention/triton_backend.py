@@ -50,6 +50,10 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     )
 
 
+# What the kernels compile for; "auto" picks the torch reference for anything else.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @attrs.define(eq=False)
 class _Programs:
     """One launch's programs: sequence and first query token of each."""
@@ -124,6 +128,16 @@ class TritonPagedAttention:
         reason = triton_unavailable_reason(device)
         if reason is not None:
             raise ValueError(f"attention_backend='triton' cannot run: {reason}")
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` for a dtype the kernels do not compile for (float64: the
+        softmax state is float32, and Triton refuses a loop whose carried types change)."""
+        if dtype not in TRITON_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in TRITON_DTYPES)
+            raise ValueError(
+                f"attention_backend='triton' supports dtype {allowed}, not "
+                f"{str(dtype).removeprefix('torch.')}; use attention_backend='torch'"
+            )
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
         device = inputs.device

@@ -45,13 +45,13 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(fresh_loader
     with pytest.warns(RuntimeWarning, match="CPU attention kernels are unavailable.*no C\\+\\+"):
         assert type(auto_backend(torch.device("cpu"))) is TorchPagedAttention
     with pytest.warns(RuntimeWarning, match="falling back to the torch attention backend"):
-        llm = LLM(tiny_llama, dtype="float32", seed=0)
+        llm = LLM(tiny_llama, device="cpu", dtype="float32", seed=0)
     assert type(llm.llm_engine.executor.attention) is TorchPagedAttention
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot run: .*compiler"):
-        LLM(tiny_llama, attention_backend="cpu")
+        LLM(tiny_llama, device="cpu", attention_backend="cpu")
 
 
 def test_disabled_by_environment(fresh_loader):
@@ -106,7 +106,7 @@ def test_installs_without_a_compiler(tmp_path):
 def test_the_cpu_backend_is_the_cpu_default_when_the_kernels_load(tiny_llama):
     if cpu_kernels.load() is None:
         pytest.skip(str(cpu_kernels.unavailable_reason()))
-    llm = LLM(tiny_llama, dtype="bfloat16")
+    llm = LLM(tiny_llama, device="cpu", dtype="bfloat16")
     assert isinstance(llm.llm_engine.executor.attention, CpuPagedAttention)
     with pytest.raises(ValueError, match="supports dtype float32, bfloat16, not float16"):
-        LLM(tiny_llama, dtype="float16", attention_backend="cpu")
+        LLM(tiny_llama, device="cpu", dtype="float16", attention_backend="cpu")

@@ -4,8 +4,11 @@ On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INT
 set by ``tests/conftest.py``); on a CUDA machine the same tests run compiled. Inputs are
 random, the output buffer and every KV slot outside the batch's contexts are NaN before a
 run, so a kernel that reads an unwritten slot or leaves a row unwritten fails. The
-reference runs in float32 on the same (16-bit-rounded) values; the kernels load 16-bit
-inputs and compute in float32, so the bound is relative error < 1e-5 everywhere.
+reference runs in float32 on the same (16-bit-rounded) values. In the interpreter, and for
+float32 inputs anywhere, the kernels compute in float32: relative error < 1e-5. Compiled on
+a GPU, 16-bit inputs go to the tensor cores, which take the softmax weights rounded to the
+input dtype as flash attention does (measured on an H100: up to 1.5e-3 for bfloat16, 1.5e-4
+for float16), so the bound there is the dtype's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ pytestmark = pytest.mark.skipif(
 # (context length after the step, new tokens): decodes, fresh prompts of ragged lengths,
 # prefix-cache hits (a chunk after a cached context), a one-block prompt.
 MIXED = [(45, 1), (70, 1), (33, 33), (50, 21), (17, 17), (96, 40), (3, 1)]
+
+
+def _tol(dtype: torch.dtype) -> float:
+    if DEVICE.type != "cuda" or dtype == torch.float32:
+        return 1e-5
+    return {torch.bfloat16: 6e-3, torch.float16: 8e-4}[dtype]
 
 
 def _batch(specs, **kwargs):
@@ -59,7 +68,7 @@ def test_mixed_batch_matchesreference_attention(block_size, group, head_dim, dty
     got, _ = _run_triton(TritonPagedAttention(), inputs, q, k, v, cache, scale=scale,
                          sliding_window=None)
     assert not torch.isnan(got).any()
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < _tol(dtype)
     # The write kernel stored exactly what the reference stored, and nothing else.
     torch.testing.assert_close(cache.float().cpu(), want_cache.cpu(), rtol=0, atol=0,
                                equal_nan=True)
@@ -92,7 +101,7 @@ def test_split_kv_long_decodes_matchreference_attention(block_size, dtype, windo
     splits = [s for _, s, _ in backend.launches(metadata, 8, NUM_KV_HEADS, 64)]
     assert splits[0] == 8 and splits[1] == 1  # decodes split (64 // 8 programs), prefill not
     assert not torch.isnan(got).any()
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < _tol(dtype)
 
 
 def test_split_count_follows_context_and_batch():

@@ -45,7 +45,9 @@ def test_cuda_budget_is_utilisation_minus_profiled_peak_and_foreign_memory(monke
         calls.append(1)
         return 6 * gib
 
-    budget = kv_tensors._cuda_budget(torch.device("cuda"), 0.5, profile)
+    # tests/conftest.py caps the budget on CUDA machines; this checks the formula itself.
+    cuda_budget = getattr(kv_tensors._cuda_budget, "__wrapped__", kv_tensors._cuda_budget)
+    budget = cuda_budget(torch.device("cuda"), 0.5, profile)
     # 40 GiB allowed - 6 GiB peak - (10 GiB used - 8 GiB reserved by torch) = 32 GiB.
     assert budget == 32 * gib and calls == [1]
 

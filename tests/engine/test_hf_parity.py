@@ -166,7 +166,8 @@ def vector_path_reference(tmp_path_factory):
 def test_cpu_kernel_vector_path_matches_hf(vector_path_reference, name, engine_args):
     path, prompts, expected = vector_path_reference(name)
     events = []
-    llm, got = generate(path, prompts, attention_backend="cpu", events=events, **engine_args)
+    llm, got = generate(path, prompts, device="cpu", attention_backend="cpu", events=events,
+                        **engine_args)
     assert got == expected
     if "num_gpu_blocks_override" in engine_args:
         assert sum(len(e.preempted) for e in events) > 0

@@ -221,7 +221,7 @@ def test_kv_cache_is_sized_from_the_memory_budget(tiny_llama):
 
     engine = LLM(tiny_llama, block_size=8, max_model_len=64, kv_cache_memory_bytes=1 << 20).llm_engine
     model = engine.runner.model
-    per_block = bytes_per_block(model.kv_layout, 8, torch.float32)
+    per_block = bytes_per_block(model.kv_layout, 8, engine.runner.kv_caches[0].dtype)
     assert engine.kv_cache.num_blocks == (1 << 20) // per_block
     cache_bytes = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
     assert cache_bytes == engine.kv_cache.num_blocks * per_block

@@ -86,6 +86,13 @@ def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert type(auto_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
     monkeypatch.setattr(tb, "triton_unavailable_reason", lambda device: None)
     assert type(auto_backend(torch.device("cuda"))) is TritonPagedAttention
+    # float64: the kernels do not compile for it (seen on an H100), so auto takes the
+    # reference and an explicit "triton" is refused naming the dtypes it supports.
+    assert type(auto_backend(torch.device("cuda"), torch.float64)) is TorchPagedAttention
+    assert type(auto_backend(torch.device("cuda"), torch.bfloat16)) is TritonPagedAttention
+    with pytest.raises(ValueError, match="'triton' supports dtype float32, bfloat16, float16, "
+                                         "not float64"):
+        TritonPagedAttention().check_dtype(torch.float64)
     monkeypatch.setattr(tb, "triton_unavailable_reason", lambda device: "no")
     assert type(auto_backend(torch.device("cuda"))) is TorchPagedAttention
 

@@ -38,7 +38,7 @@ def _model(llm: LLM):
                                   "OPTForCausalLM"])
 def test_onednn_is_the_cpu_default_and_decodes_like_the_plain_path(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
-    fast, plain = LLM(path, dtype="float32"), LLM(path, dtype="float32", cpu_linear="plain")
+    fast, plain = LLM(path, device="cpu", dtype="float32"), LLM(path, device="cpu", dtype="float32", cpu_linear="plain")
     fast_model, plain_model = _model(fast), _model(plain)
     assert not any(isinstance(m, nn.Linear) for m in fast_model.modules()
                    if m is not getattr(fast_model, "lm_head", None))
@@ -57,7 +57,7 @@ def test_onednn_is_the_cpu_default_and_decodes_like_the_plain_path(tiny_model_fa
 
 
 def test_prepack_counts_every_projection_and_the_head(tiny_model_factory):
-    llm = LLM(tiny_model_factory("LlamaForCausalLM"), dtype="float32", cpu_linear="plain")
+    llm = LLM(tiny_model_factory("LlamaForCausalLM"), device="cpu", dtype="float32", cpu_linear="plain")
     model = _model(llm)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     head_is_module = getattr(model, "lm_head", None) is not None
@@ -66,14 +66,14 @@ def test_prepack_counts_every_projection_and_the_head(tiny_model_factory):
 
 def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="cpu_linear"):
-        LLM(tiny_llama, cpu_linear="fast")
+        LLM(tiny_llama, device="cpu", cpu_linear="fast")
     from llmlab.engine import builder
 
     monkeypatch.setattr(builder, "onednn_unavailable_reason", lambda: "no oneDNN here")
     with pytest.raises(ValueError, match="cpu_linear='onednn' cannot run: no oneDNN here"):
-        LLM(tiny_llama, cpu_linear="onednn")
+        LLM(tiny_llama, device="cpu", cpu_linear="onednn")
     # "auto" falls back to the plain path.
-    assert _model(LLM(tiny_llama, dtype="float32"))._modules.get("packed_head") is None
+    assert _model(LLM(tiny_llama, device="cpu", dtype="float32"))._modules.get("packed_head") is None
 
 
 def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
@@ -82,11 +82,11 @@ def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
     def packed(llm):
         return _model(llm)._modules.get("packed_head") is not None
 
-    assert packed(LLM(tiny_llama, dtype="float32"))
+    assert packed(LLM(tiny_llama, device="cpu", dtype="float32"))
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert packed(LLM(tiny_llama, dtype="bfloat16")) == native
-    assert not packed(LLM(tiny_llama, dtype="bfloat16", cpu_linear="plain"))
+    assert packed(LLM(tiny_llama, device="cpu", dtype="bfloat16")) == native
+    assert not packed(LLM(tiny_llama, device="cpu", dtype="bfloat16", cpu_linear="plain"))
     # Without native bf16, "auto" leaves bfloat16 models on F.linear; "onednn" still packs.
     monkeypatch.setattr(builder, "auto_packed_dtypes", lambda: (torch.float32,))
-    assert not packed(LLM(tiny_llama, dtype="bfloat16"))
-    assert packed(LLM(tiny_llama, dtype="bfloat16", cpu_linear="onednn"))
+    assert not packed(LLM(tiny_llama, device="cpu", dtype="bfloat16"))
+    assert packed(LLM(tiny_llama, device="cpu", dtype="bfloat16", cpu_linear="onednn"))

@@ -86,8 +86,8 @@ def test_rotary_in_place_matches_apply_rotary_on_strided_views(dtype, head_dim, 
 
 
 def test_the_engine_fuses_on_cpu_unless_told_not_to(tiny_llama):
-    assert LLM(tiny_llama, dtype="float32").llm_engine.executor.model.fused_ops
-    plain = LLM(tiny_llama, dtype="float32", cpu_fused_ops=False)
+    assert LLM(tiny_llama, device="cpu", dtype="float32").llm_engine.executor.model.fused_ops
+    plain = LLM(tiny_llama, device="cpu", dtype="float32", cpu_fused_ops=False)
     assert not plain.llm_engine.executor.model.fused_ops
 
 

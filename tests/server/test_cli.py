@@ -8,12 +8,15 @@ import subprocess
 import sys
 
 from llmlab.server.cli import main
+from tests.helpers import CLI_KV_FLAGS
 
 
 def run_cli(args, cache_dir):
     exe = shutil.which("llmlab")
     cmd = [exe] if exe else [sys.executable, "-m", "llmlab"]
     env = dict(os.environ, LLMLAB_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if args[0] == "generate":
+        args = [*args, *CLI_KV_FLAGS]
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from llmlab.server.cli import main
+from tests.helpers import CLI_KV_FLAGS
 
 
 def free_port() -> int:
@@ -25,7 +26,7 @@ def start_server(args, env_extra=None, timeout=120.0):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmlab", "serve", *args, "--port", str(port),
+        [sys.executable, "-m", "llmlab", "serve", *args, *CLI_KV_FLAGS, "--port", str(port),
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (see DEVELOPERS' guide): probe the machine, run the test suite
+# on CUDA, then the attention and throughput benchmarks. Everything lands under $OUT (logs,
+# JUnit XML, JSON results); the end of stdout is a short summary.
+#
+#   bash benchmarks/gpu_session.sh [tests|bench|throughput|tests+throughput|all] [pytest args...]
+#
+# Missing Python packages travel as wheels in .whl/ (installed into /tmp/site), because that
+# machine has no package index. Each stage has its own time limit so one stuck stage cannot
+# eat the whole call.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+stage=${1:-all}
+shift || true
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+    export PYTHONPATH=$PWD
+fi
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], \
+torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"
+    command -v g++ c++ clang++ || true
+    nproc
+} 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$stage" = tests ] || [ "$stage" = all ] || [ "$stage" = tests+throughput ]; then
+    paths=("$@")
+    [ ${#paths[@]} -eq 0 ] && paths=(tests)
+    # -v: a run cut by its time limit still names every test that finished. The workers
+    # share the GPU (tests/conftest.py gives each an equal slice of its memory).
+    timeout -k 10 "${TEST_TIMEOUT:-420}" python3 -m pytest -v --tb=short -p no:cacheprovider \
+        -n "${TEST_WORKERS:-8}" --timeout 120 --durations 25 -rfE \
+        --junitxml "$OUT/junit.xml" "${paths[@]}" > "$OUT/pytest.log" 2>&1
+    echo "pytest exit $?"
+    grep -E "(FAILED|ERROR) tests/" "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' \
+        | cut -c1-200 | sort -u | head -80
+    tail -3 "$OUT/pytest.log"
+fi
+
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+    timeout -k 10 "${ATTN_TIMEOUT:-170}" python3 -m benchmarks.attention \
+        --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1
+    echo "attention exit $?"
+    tail -45 "$OUT/attention.log"
+fi
+
+if [ "$stage" = throughput ] || [ "$stage" = bench ] || [ "$stage" = tests+throughput ]; then
+    timeout -k 10 "${TPUT_TIMEOUT:-300}" python3 -m benchmarks.throughput --device cuda \
+        --json "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
+    echo "throughput exit $?"
+    tail -60 "$OUT/throughput.log"
+fi
