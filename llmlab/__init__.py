@@ -6,6 +6,11 @@ Public API (everything else may change)::
     outputs = LLM("path/or/hub-id").generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
+# Before anything imports torch: the OpenMP runtime reads its wait policy when it loads.
+from llmlab.threads import set_wait_policy
+
+set_wait_policy()
+
 from llmlab.config import EngineConfig
 from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder

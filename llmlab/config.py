@@ -118,6 +118,10 @@ class EngineConfig:
         cpu_fused_ops: on CPU, run the Llama family's residual add + RMSNorm, rotary
             embedding and SiLU x up as fused C++ kernels (``llmlab.models.fused``) when
             llmlab's CPU kernels load; ``False`` keeps the plain torch ops.
+        cpu_threads: torch/OpenMP threads for CPU work (process-wide, like
+            ``torch.set_num_threads``). ``None``: the ``LLMLAB_CPU_THREADS`` environment
+            variable if set, else torch's count as ``OMP_NUM_THREADS`` set it, else the
+            cores this process may use (CPU affinity and cgroup quota; ``llmlab.threads``).
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -203,6 +207,9 @@ class EngineConfig:
         ),
     )
     cpu_fused_ops: bool = attrs.field(default=True, converter=_flag("cpu_fused_ops"))
+    cpu_threads: int | None = attrs.field(
+        default=None, converter=_positive("cpu_threads", allow_none=True)
+    )
     disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
     swap_space: float = attrs.field(
         default=4.0, converter=functools.partial(as_real, "swap_space", min=0)

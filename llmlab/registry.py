@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -100,7 +102,7 @@ def resolve(kind: str, name: str) -> Callable[[], Any]:
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
-            module = importlib.import_module(module_name)
+            module = _import_from_here(module_name)
         except ImportError as err:
             raise ValueError(f"{kind} {name!r}: cannot import {module_name!r} ({err})") from err
         try:
@@ -111,6 +113,21 @@ def resolve(kind: str, name: str) -> Callable[[], Any]:
         f"unknown {kind} {name!r}; available: {', '.join(entries)} "
         "(or 'package.module:Class')"
     )
+
+
+def _import_from_here(module_name: str):
+    """Import ``module_name``, also from the current directory as ``python -m`` would: the
+    ``llmlab`` console script's ``sys.path`` starts at its own folder, not the user's. The
+    directory goes last on the path (installed packages keep priority) and stays, so the
+    module's own later imports of its siblings work."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        if err.name != module_name.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+    sys.path.append(here)
+    return importlib.import_module(module_name)
 
 
 def create(kind: str, name: str) -> Any:

@@ -16,6 +16,19 @@ _ids = itertools.count()
 CLI_KV_FLAGS = ["--kv-cache-memory-bytes", str(256 << 20)] if torch.cuda.is_available() else []
 
 
+def subprocess_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """The environment for a process a test starts: one CPU thread (``llmlab.threads``:
+    several processes spinning full thread pools on a small machine slow the whole suite
+    many times over), without the variables in ``drop``, plus ``extra``."""
+    from llmlab.threads import child_env
+
+    env = child_env(1, threads=1)
+    for name in drop:
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
 def make_request(tokens, *, arrival=None, max_tokens=16, request_id=None, **params) -> Request:
     n = next(_ids)
     return Request(

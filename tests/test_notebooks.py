@@ -103,3 +103,7 @@ def test_notebook_runs_top_to_bottom(path: pathlib.Path, python3_kernel: str, tm
         pytest.fail(f"{path.name}: a cell raised\n{message}", pytrace=False)
     except nbclient.exceptions.CellTimeoutError as error:
         pytest.fail(f"{path.name}: a cell ran past {CELL_TIMEOUT_S} s\n{error}", pytrace=False)
+    # Run where a user opens it (notebooks/), a notebook must leave `git status` clean:
+    # recordings and figures go to a scratch folder, never the working directory.
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not left, f"{path.name} wrote {left} into its working directory"

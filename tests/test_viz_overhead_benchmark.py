@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("ipywidgets", reason="the overhead benchmark drives the widget views")
 
-from benchmarks import viz_overhead  # noqa: E402
+from benchmarks import viz_overhead
 
 
 @pytest.mark.slow  # builds the benchmark's 8-layer model: about 20 s

@@ -55,6 +55,7 @@ from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import SchedulingPolicy, as_policy
 from llmlab.scheduler.scheduler import Scheduler
+from llmlab.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class EngineBuilder:
             attention = _component("attention_backend", self.attention_backend)
         as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
+        threads = configure_threads(cfg.cpu_threads)
         check = getattr(attention, "check_device", None)
         if check is not None:  # e.g. triton asked for where it cannot run: fail before loading
             check(device)
@@ -210,6 +212,7 @@ class EngineBuilder:
             chunked_prefill=cfg.enable_chunked_prefill is not False,
         )
         runner = runner_for(kv_caches, num_blocks)
+        runner.threads = threads
         if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
             runner.decode_graphs = DecodeGraphs(
                 model=model,

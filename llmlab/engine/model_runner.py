@@ -56,6 +56,9 @@ class ModelRunner:
     attention_state: Any = attrs.field(init=False, default=None)
     # Set by the builder on CUDA unless enforce_eager (llmlab.engine.cuda_graphs).
     decode_graphs: Any = attrs.field(init=False, default=None)
+    # Set by the builder when the CPU thread count is automatic (llmlab.threads.ThreadGovernor):
+    # ticked before each step, it follows how many other tasks compete for the cores.
+    threads: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         create = getattr(self.attention, "create_state", None)
@@ -70,6 +73,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> BatchOutput:
         """Release freed rows, apply block copies, run the model, sample."""
+        if self.threads is not None:
+            self.threads.tick()
         try:
             return self._execute(batch)
         except BaseException as err:

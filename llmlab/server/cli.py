@@ -47,6 +47,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="on CPU: prepacked oneDNN linears or F.linear (default auto)")
     parser.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=True,
                         help="on CPU: fused C++ residual+norm, rotary, SiLU x up (default on)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch/OpenMP threads (default: $LLMLAB_CPU_THREADS, else "
+                        "$OMP_NUM_THREADS, else the cores this process may use)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +151,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "cpu_linear": args.cpu_linear,
         "cpu_fused_ops": args.cpu_fused_ops,
+        "cpu_threads": args.cpu_threads,
     }
 
 

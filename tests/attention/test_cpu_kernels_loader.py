@@ -7,7 +7,6 @@ with a warning that says why.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from llmlab.attention import (
     auto_backend,
     cpu_kernels,
 )
+from tests.helpers import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 needs_compiler = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler")
@@ -90,7 +90,7 @@ def test_a_compile_error_is_a_reason_not_a_crash(fresh_loader, tmp_path):
 def test_installs_without_a_compiler(tmp_path):
     """Building the package with no working compiler succeeds, without the kernels (the
     extension is optional) but with their source, for a build on first use."""
-    env = dict(os.environ, CC="false", CXX="false", LDSHARED="false")
+    env = subprocess_env(CC="false", CXX="false", LDSHARED="false")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path), str(REPO)],

@@ -10,12 +10,13 @@ cannot be compiled.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import subprocess_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -80,7 +81,7 @@ SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = subprocess_env(drop=("TRITON_INTERPRET",))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600

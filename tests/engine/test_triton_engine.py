@@ -9,7 +9,6 @@ for the batch), checked from the step events rather than assumed.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from llmlab import LLM, SamplingParams
 from llmlab.attention import TorchPagedAttention, TritonPagedAttention, auto_backend
 from llmlab.attention.triton_backend import triton_unavailable_reason
 from tests.engine.test_hf_parity import assert_no_leaks
+from tests.helpers import subprocess_env
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -114,7 +114,7 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(tiny_model_factory):
         "except ValueError as err:\n"
         "    print('ValueError:', err)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = subprocess_env(drop=("TRITON_INTERPRET",))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr

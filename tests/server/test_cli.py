@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 
+import pytest
+
 from llmlab.server.cli import main
-from tests.helpers import CLI_KV_FLAGS
+from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 
 def run_cli(args, cache_dir):
     exe = shutil.which("llmlab")
     cmd = [exe] if exe else [sys.executable, "-m", "llmlab"]
-    env = dict(os.environ, LLMLAB_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = subprocess_env(LLMLAB_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if args[0] == "generate":
         args = [*args, *CLI_KV_FLAGS]
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
@@ -102,3 +103,51 @@ def test_generate_with_n_stop_and_logprobs(tiny_llama, capsys):
     assert "(rank 1)" in out  # the top-2 lines
     assert main(["generate", "Hi", "--model", tiny_llama, "--n", "2", "--best-of", "1"]) == 2
     assert "best_of must be >= n (2), got 1" in capsys.readouterr().err
+
+
+POLICY_MODULE = '''
+from llmlab import Policy
+
+
+class MySPF(Policy):
+    name = "my_spf"
+
+    def key(self, request):
+        return request.num_prompt_tokens
+'''
+
+
+def test_a_policy_import_path_resolves_from_the_current_directory(tmp_path, monkeypatch):
+    """``--scheduling-policy mypkg.policies:MySPF`` with ``mypkg/`` in the working directory,
+    as docs/components.md shows it: found as ``python -m`` would find it, also when the
+    ``llmlab`` console script runs (whose ``sys.path`` starts at its own folder)."""
+    from llmlab import registry
+
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "policies.py").write_text(POLICY_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mypkg", raising=False)
+    monkeypatch.delitem(sys.modules, "mypkg.policies", raising=False)
+    assert registry.resolve("scheduling_policy", "mypkg.policies:MySPF").__name__ == "MySPF"
+    assert sys.path[-1] == str(tmp_path)  # appended: installed packages keep priority
+    with pytest.raises(ValueError, match="cannot import 'nopkg.policies'"):
+        registry.resolve("scheduling_policy", "nopkg.policies:X")
+
+
+def test_the_console_script_takes_a_policy_from_the_current_directory(tiny_llama, tmp_path):
+    exe = shutil.which("llmlab")
+    if exe is None:
+        pytest.skip("the llmlab console script is not installed (pip install -e .)")
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "policies.py").write_text(POLICY_MODULE)
+    result = subprocess.run(
+        [exe, "generate", "One", "--model", tiny_llama, "--max-tokens", "3",
+         "--scheduling-policy", "mypkg.policies:MySPF", *CLI_KV_FLAGS],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Completion:" in result.stdout

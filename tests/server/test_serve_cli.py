@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from llmlab.server.cli import main
-from tests.helpers import CLI_KV_FLAGS
+from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 
 def free_port() -> int:
@@ -24,7 +23,7 @@ def free_port() -> int:
 
 def start_server(args, env_extra=None, timeout=120.0):
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
+    env = subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmlab", "serve", *args, *CLI_KV_FLAGS, "--port", str(port),
          "--log-level", "warning"],
@@ -90,7 +89,7 @@ def test_serve_without_a_model_serves_the_builtin_one():
 def test_serve_rejects_a_bad_flag_value_in_one_line(tiny_llama):
     result = subprocess.run(
         [sys.executable, "-m", "llmlab", "serve", tiny_llama, "--scheduling-policy", "nope"],
-        capture_output=True, text=True, timeout=120, check=False)
+        capture_output=True, text=True, timeout=120, check=False, env=subprocess_env())
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and "nope" in result.stderr
     assert "Traceback" not in result.stderr
