@@ -105,9 +105,16 @@ def test_a_non_streaming_client_that_gives_up_has_its_request_aborted(fresh):
 
     before = aborted()
     body = {"model": "tiny", "prompt": "Slow", "max_tokens": 500, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
-    wait_for_idle(url)
+    # An observer that slows each step makes 500 tokens take >= 2.5 s on any machine (the
+    # tiny model alone can finish them inside the client's 0.5 s on a fast one).
+    engine = app.state.engine.engine
+    slow = engine.subscribe(lambda event: time.sleep(0.005))
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        wait_for_idle(url)
+    finally:
+        engine.unsubscribe(slow)
     assert aborted() == before + 1  # aborted, not run to its 500 tokens
     assert app.state.engine.num_open_requests == 0
 
