@@ -39,6 +39,75 @@ KINDS: dict[str, str] = {
 
 _TABLES: dict[str, dict[str, Callable[[], Any]]] = {kind: {} for kind in KINDS}
 
+
+class Method:
+    """One required method of a component kind: its name and how the engine calls it
+    (positional parameters after ``self``, then keyword arguments)."""
+
+    __slots__ = ("name", "params", "keywords", "returns")
+
+    def __init__(self, name: str, params: tuple[str, ...], keywords: tuple[str, ...] = (),
+                 returns: str = "None"):
+        self.name, self.params, self.keywords, self.returns = name, params, keywords, returns
+
+    def __repr__(self) -> str:
+        args = ["self", *self.params] + (["*", *self.keywords] if self.keywords else [])
+        return f"{self.name}({', '.join(args)}) -> {self.returns}"
+
+
+CONTRACTS: dict[str, tuple[Method, ...]] = {
+    "scheduling_policy": (
+        Method("push", ("request", "now")),
+        Method("pop", ("now",), returns="RequestView | None"),
+        Method("remove", ("request",)),
+        Method("victim", ("candidates",), returns="RequestView"),
+    ),
+    "eviction_policy": (
+        Method("on_free", ("block_ids",)),
+        Method("on_hit", ("block_ids",)),
+        Method("evict", ("n",), returns="list[int]"),
+    ),
+    "attention_backend": (
+        Method("kv_cache_shape", ("num_blocks", "block_size", "num_kv_heads", "head_dim"),
+               returns="tuple[int, ...]"),
+        Method("build_metadata", ("inputs",), returns="metadata"),
+        Method("forward", ("layer_idx", "q", "k", "v", "kv_cache", "metadata"),
+               keywords=("scale", "sliding_window"), returns="Tensor"),
+    ),
+}
+"""Each kind's required methods and the call shapes the engine uses, in one place. The
+protocols in ``scheduler/policy.py``, ``cache/eviction.py`` and ``attention/backend.py``
+document them; :func:`check` holds a component to them before an engine loads weights."""
+
+# The scheduling policy's older form (scheduler.policy.OrderPolicy adapts it).
+LEGACY_SCHEDULING: tuple[Method, ...] = (
+    Method("order", ("waiting", "now"), returns="list[RequestView]"),
+    Method("victim", ("candidates",), returns="RequestView"),
+)
+
+
+def check(kind: str, component: Any, methods: tuple[Method, ...] | None = None) -> None:
+    """Raise ``TypeError`` unless ``component`` has every method of ``kind``'s contract (or
+    ``methods``) and each accepts the call the engine makes, naming the method and the
+    expected signature. Called on instances; a bound method's ``self`` is not counted."""
+    _check_kind(kind)
+    label = f"{kind} {type(component).__name__}"
+    for method in CONTRACTS[kind] if methods is None else methods:
+        attr = getattr(component, method.name, None)
+        if not callable(attr):
+            raise TypeError(f"{label} is missing method {method.name!r}; expected {method!r}")
+        try:
+            signature = inspect.signature(attr)
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+            continue
+        try:
+            signature.bind(*method.params, **dict.fromkeys(method.keywords))
+        except TypeError as err:
+            raise TypeError(
+                f"{label}.{method.name}{signature} cannot take the engine's call ({err}); "
+                f"expected {method!r}"
+            ) from None
+
 T = TypeVar("T")
 
 

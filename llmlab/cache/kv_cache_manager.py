@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
+from llmlab import registry
 from llmlab.cache.block_pool import BlockPool
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.prefix_index import PrefixIndex, extend_block_hashes
@@ -121,6 +122,7 @@ class KVCacheManager:
 
     @eviction.setter
     def eviction(self, policy: EvictionPolicy) -> None:
+        registry.check("eviction_policy", policy)
         self._initial_eviction = policy
         self.pool.eviction = policy
 

@@ -236,17 +236,12 @@ class EngineBuilder:
         )
 
 
-_REQUIRED = {
-    "eviction_policy": ("on_free", "on_hit", "evict"),
-    "attention_backend": ("kv_cache_shape", "build_metadata", "forward"),
-}
-
-
 def _component(kind: str, value):
     """An instance as given, or a fresh instance of the component registered as ``value``.
 
     Raises ``ValueError`` for an unknown name (listing the available ones) and
-    ``TypeError`` for an object missing a required method (naming it).
+    ``TypeError`` for an object missing a required method or whose method cannot take the
+    engine's call (naming it and the expected signature: ``registry.CONTRACTS``).
     """
     if value is None:
         return None
@@ -254,9 +249,8 @@ def _component(kind: str, value):
         value = registry.create(kind, value)
     elif isinstance(value, type):
         raise TypeError(f"{kind} must be an instance, got the class {value.__name__}")
-    for method in _REQUIRED.get(kind, ()):
-        if not callable(getattr(value, method, None)):
-            raise TypeError(f"{kind} {type(value).__name__} is missing method {method!r}")
+    if kind != "scheduling_policy":  # as_policy checks its two forms
+        registry.check(kind, value)
     return value
 
 

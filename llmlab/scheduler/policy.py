@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from llmlab import registry
 from llmlab.request import RequestView
 
 if TYPE_CHECKING:
@@ -331,8 +332,9 @@ def _arrival_key(request: RequestView) -> tuple[float, int]:
 def as_policy(policy: Any) -> Any:
     """The object the scheduler drives: ``policy`` itself (v2) or an :class:`OrderPolicy`.
 
-    Raises ``TypeError`` naming the first missing method, so a bad policy fails when the
-    engine is built rather than at its first step.
+    Raises ``TypeError`` naming the first missing method, or a method that cannot take the
+    scheduler's call with the signature expected (``registry.CONTRACTS``), so a bad policy
+    fails when the engine is built rather than at its first step.
     """
     if isinstance(policy, type):
         raise TypeError(
@@ -340,10 +342,12 @@ def as_policy(policy: Any) -> Any:
             f"pass {policy.__name__}()"
         )
     if all(callable(getattr(policy, m, None)) for m in REQUIRED_METHODS):
+        registry.check("scheduling_policy", policy)
         return policy
     if callable(getattr(policy, "order", None)):
         missing = [m for m in LEGACY_METHODS if not callable(getattr(policy, m, None))]
         if not missing:
+            registry.check("scheduling_policy", policy, registry.LEGACY_SCHEDULING)
             return OrderPolicy(policy)
     else:
         missing = [m for m in REQUIRED_METHODS if not callable(getattr(policy, m, None))]

@@ -410,7 +410,11 @@ def test_the_worked_examples_in_docs_components_run():
         order += [e.request_id for e in step(sched, float(len(order))).entries if e.new_row]
     assert order == ["a0", "b3", "a1", "b4", "a2"]
 
+    from llmlab import registry
+
     exec(_doc_block("from llmlab import register\n\n@register(\"eviction_policy\""), namespace)
+    # The example registers "mru" process-wide; other tests expect only the built-ins.
+    registry.table("eviction_policy").pop("mru", None)
     mru = namespace["MostRecentlyFreed"]()
     mru.on_free([1, 2, 3])
     mru.on_hit([3])

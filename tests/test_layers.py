@@ -1,0 +1,159 @@
+"""Imports follow the layer table in docs/architecture.md.
+
+The table's code block lists modules and packages (``llmlab/...``) in bands separated by
+``▲`` lines, lowest first. A module may import from its own band and the bands below it;
+every ``import`` in every module counts, lazy ones inside functions included. The package's
+front door (``llmlab/__init__.py``, ``llmlab/__main__.py``) sits in the top band.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "llmlab"
+DOC = ROOT / "docs" / "architecture.md"
+PATH = re.compile(r"llmlab/(?:\w+/)*(?:\w+\.py)?(?=[\s,]|$)")
+
+# Upward imports that exist today, each with why; the engine core's third pass (issue 23)
+# removes them. Do not add to this list: move the code instead.
+KNOWN_UPWARD = {
+    ("llmlab.engine.engine", "llmlab.viz.recording"): "Engine.record builds a Recorder",
+    ("llmlab.engine.async_engine", "llmlab.llm"): "AsyncEngine.from_settings builds an LLM",
+    ("llmlab.sampling.sampler", "llmlab.models.fused"): "the fused CPU argmax lives in models",
+    ("llmlab.models.builtin.train", "llmlab"): "the trainer samples through llmlab.LLM",
+}
+
+
+def bands(text: str) -> list[list[str]]:
+    """The table's bands, lowest first, each a list of ``llmlab/...`` paths."""
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    found: list[list[str]] = [[]]
+    for line in block.splitlines():
+        if "▲" in line:
+            found.append([])
+        else:
+            found[-1].extend(PATH.findall(line))
+    return [band for band in found if band]
+
+
+def band_of(module_path: str, table: list[list[str]]) -> int | None:
+    """The band of the longest table entry that is ``module_path`` or a folder holding it."""
+    best, best_len = None, -1
+    for index, band in enumerate(table):
+        for entry in band:
+            if (module_path == entry or (entry.endswith("/") and module_path.startswith(entry))
+                    ) and len(entry) > best_len:
+                best, best_len = index, len(entry)
+    return best
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_file(name: str) -> str | None:
+    """``llmlab.a.b`` -> ``llmlab/a/b.py`` or ``llmlab/a/b/`` (a package), as the table
+    writes them; None when it is not a module of llmlab (an attribute, say)."""
+    rel = name.replace(".", "/")
+    if (ROOT / f"{rel}.py").exists():
+        return f"{rel}.py"
+    if (ROOT / rel / "__init__.py").exists():
+        return f"{rel}/"
+    return None
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    """Every llmlab module ``path`` imports (``from llmlab.x import y`` counts as
+    ``llmlab.x.y`` when ``y`` is a module, else ``llmlab.x``)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "llmlab")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "llmlab":
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.add(sub if module_file(sub) is not None else source)
+    return found
+
+
+def upward_imports(table: list[list[str]], modules: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported (band i -> band j > i)`` for every import that breaks the
+    table, and ``importer: not in the table`` for a module the table does not place."""
+    top = len(table) - 1
+    problems = []
+    for importer, imported in sorted(modules.items()):
+        if importer in ("llmlab", "llmlab.__main__"):
+            continue  # the front door: top band, imports anything
+        here = band_of(module_file(importer) or "", table)
+        if here is None:
+            problems.append(f"{importer}: not in the layer table")
+            continue
+        for target in sorted(imported):
+            there = top if target == "llmlab" else band_of(module_file(target) or "", table)
+            if there is None:
+                problems.append(f"{target} (imported by {importer}): not in the layer table")
+            elif there > here and (importer, target) not in KNOWN_UPWARD:
+                problems.append(f"{importer} -> {target} (band {here} -> {there})")
+    return problems
+
+
+def all_modules() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_module_imports_upward():
+    table = bands(DOC.read_text())
+    assert len(table) >= 5, "could not read the layer table in docs/architecture.md"
+    problems = upward_imports(table, all_modules())
+    assert not problems, "imports that break docs/architecture.md's layer table:\n  " + (
+        "\n  ".join(problems))
+
+
+def test_known_exceptions_still_exist():
+    """An exception that is gone must leave the list, so the list cannot hide a new one."""
+    modules = all_modules()
+    stale = [pair for pair in KNOWN_UPWARD if pair[1] not in modules.get(pair[0], set())]
+    assert not stale, f"remove from KNOWN_UPWARD: {stale}"
+
+
+@pytest.mark.parametrize(
+    "importer, planted",
+    [
+        ("llmlab.cache.block_pool", "llmlab.engine.engine"),  # cache reaching for the engine
+        ("llmlab.request", "llmlab.sampling.sampler"),  # a leaf reaching into sampling
+        ("llmlab.engine.builder", "llmlab.server.app"),  # the engine reaching for the server
+        ("llmlab.models.llama", "llmlab"),  # anything below the top importing the front door
+    ],
+)
+def test_a_planted_upward_import_is_caught(importer, planted):
+    table = bands(DOC.read_text())
+    modules = all_modules()
+    assert not upward_imports(table, modules)
+    modules[importer] = modules[importer] | {planted}
+    assert upward_imports(table, modules) == [
+        f"{importer} -> {planted} (band {band_of(module_file(importer), table)} -> "
+        f"{len(table) - 1 if planted == 'llmlab' else band_of(module_file(planted), table)})"
+    ]
+
+
+def test_a_module_missing_from_the_table_is_caught():
+    table = [band for band in bands(DOC.read_text())]
+    table = [[entry for entry in band if entry != "llmlab/threads.py"] for band in table]
+    assert "llmlab.threads: not in the layer table" in upward_imports(table, all_modules())
