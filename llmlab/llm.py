@@ -12,7 +12,6 @@ from typing import Any
 import attrs
 import numpy as np
 
-from llmlab.config import EngineConfig
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine, PromptType
 from llmlab.engine.outputs import RequestOutput
@@ -25,9 +24,6 @@ from llmlab.sampling.beam_search import (
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_CONFIG_FIELDS = tuple(f.name for f in attrs.fields(EngineConfig))
-
 
 class LLM:
     """Generate text for batches of prompts with a continuous-batching paged-KV engine.
@@ -50,19 +46,14 @@ class LLM:
         sampler: Any = None,
         **settings: Any,
     ) -> None:
-        unknown = sorted(set(settings) - set(_CONFIG_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"unknown LLM argument(s) {unknown}; allowed: {', '.join(_CONFIG_FIELDS)}, "
-                "scheduling_policy, eviction_policy, attention_backend, sampler"
-            )
-        config = EngineConfig(model=model, tokenizer=tokenizer, **settings)
-        builder = EngineBuilder(
-            config,
+        builder = EngineBuilder.from_settings(
+            model,
+            tokenizer,
             scheduling_policy=scheduling_policy,
             eviction_policy=eviction_policy,
             attention_backend=attention_backend,
             sampler=sampler,
+            **settings,
         )
         self.llm_engine: Engine = builder.build()
         self._init_state()

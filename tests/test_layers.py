@@ -22,9 +22,6 @@ PATH = re.compile(r"llmlab/(?:\w+/)*(?:\w+\.py)?(?=[\s,]|$)")
 # Upward imports that exist today, each with why; the engine core's third pass (issue 23)
 # removes them. Do not add to this list: move the code instead.
 KNOWN_UPWARD = {
-    ("llmlab.engine.engine", "llmlab.viz.recording"): "Engine.record builds a Recorder",
-    ("llmlab.engine.async_engine", "llmlab.llm"): "AsyncEngine.from_settings builds an LLM",
-    ("llmlab.sampling.sampler", "llmlab.models.fused"): "the fused CPU argmax lives in models",
     ("llmlab.models.builtin.train", "llmlab"): "the trainer samples through llmlab.LLM",
 }
 

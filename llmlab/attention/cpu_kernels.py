@@ -176,7 +176,7 @@ class CpuKernels:
             "silu_and_mul": [ctypes.c_int, ptr, ptr, i64, i64, i64],
             "rotary": [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64],
         }
-        # Greedy sampling (llmlab.models.fused.argmax_logprob): float32 logits only.
+        # Greedy sampling (llmlab.sampling.greedy.argmax_logprob): float32 logits only.
         lib.llmlab_argmax_logprob.restype = None
         lib.llmlab_argmax_logprob.argtypes = [ptr, i64, i64, ptr, ptr, i64]
         self.argmax_logprob = lib.llmlab_argmax_logprob

@@ -134,9 +134,9 @@ class AsyncEngine:
     @classmethod
     def from_settings(cls, model: str, tokenizer: str | None = None, **kwargs: Any) -> AsyncEngine:
         """Build the engine exactly as ``LLM(model, tokenizer, **kwargs)`` would."""
-        from llmlab.llm import LLM
+        from llmlab.engine.builder import EngineBuilder
 
-        return cls(LLM(model, tokenizer, **kwargs).llm_engine)
+        return cls(EngineBuilder.from_settings(model, tokenizer, **kwargs).build())
 
     # -- lifecycle -----------------------------------------------------------------------
 

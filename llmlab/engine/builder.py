@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import pathlib
+from typing import Any
 
 import attrs
 import torch
@@ -69,6 +70,10 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+# The keyword arguments LLM / AsyncEngine.from_settings accept besides the components.
+CONFIG_FIELDS = tuple(f.name for f in attrs.fields(EngineConfig))
+
+
 @attrs.define
 class EngineBuilder:
     """Holds a config and optional component instances; ``build()`` makes the engine."""
@@ -78,6 +83,34 @@ class EngineBuilder:
     eviction_policy: EvictionPolicy | str | None = None
     attention_backend: AttentionBackend | str | None = None
     sampler: Sampler | None = None
+
+    @classmethod
+    def from_settings(
+        cls,
+        model: str,
+        tokenizer: str | None = None,
+        *,
+        scheduling_policy: Any = None,
+        eviction_policy: Any = None,
+        attention_backend: Any = None,
+        sampler: Any = None,
+        **settings: Any,
+    ) -> EngineBuilder:
+        """A builder from ``LLM``'s arguments: the components, and ``EngineConfig`` fields as
+        keywords. Raises ``ValueError`` naming any keyword that is neither."""
+        unknown = sorted(set(settings) - set(CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"unknown LLM argument(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}, "
+                "scheduling_policy, eviction_policy, attention_backend, sampler"
+            )
+        return cls(
+            EngineConfig(model=model, tokenizer=tokenizer, **settings),
+            scheduling_policy=scheduling_policy,
+            eviction_policy=eviction_policy,
+            attention_backend=attention_backend,
+            sampler=sampler,
+        )
 
     def with_scheduling_policy(self, policy: SchedulingPolicy) -> EngineBuilder:
         return attrs.evolve(self, scheduling_policy=policy)

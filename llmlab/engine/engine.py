@@ -428,9 +428,9 @@ class Engine:
 
         The file starts with the engine's config and an :class:`EngineSnapshot`, then has
         one line per step event (request arrivals included). Stop with ``close()`` or a
-        ``with`` block; read it back with :func:`llmlab.viz.load`.
+        ``with`` block; read it back with :func:`llmlab.viz.load` (``llmlab.engine.recording``).
         """
-        from llmlab.viz.recording import Recorder
+        from llmlab.engine.recording import Recorder
 
         return Recorder(self, path)
 

@@ -1,6 +1,6 @@
 """Fused elementwise ops for the CPU fast path, each with its plain-torch equivalent.
 
-(Also greedy sampling's argmax + logprob, :func:`argmax_logprob`.)
+(Greedy sampling's fused argmax + logprob is :func:`llmlab.sampling.greedy.argmax_logprob`.)
 
 On CPU a decode step's activations are small (``[batch, hidden]``), so a chain of torch
 ops (residual add, RMSNorm's cast / normalise / cast / scale; rotary's split / negate /
@@ -88,23 +88,3 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
     x.copy_(apply_rotary(x, cos, sin))
     return x
-
-
-def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens of ``[rows, vocab]`` float32 logits (the first maximum of each row, as
-    ``argmax``) and their logprobs (``log_softmax`` at that token), in one pass per row."""
-    kernels = _kernels(logits)
-    if (
-        kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
-        and logits.is_contiguous() and logits.shape[1] > 0
-    ):
-        rows, vocab = logits.shape
-        tokens = torch.empty(rows, dtype=torch.long)
-        logprobs = torch.empty(rows, dtype=torch.float32)
-        kernels.argmax_logprob(
-            logits.data_ptr(), rows, vocab, tokens.data_ptr(), logprobs.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return tokens, logprobs
-    tokens = logits.argmax(dim=-1)
-    return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)

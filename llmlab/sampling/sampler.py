@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from llmlab.models.fused import argmax_logprob
+from llmlab.sampling.greedy import argmax_logprob
 from llmlab.sampling.logprobs import TokenLogprobs, gather_logprobs
 from llmlab.sampling.processors import (
     LogitsProcessor,

@@ -18,7 +18,7 @@ they attach), never engine internals; :mod:`llmlab.viz.state` holds the event-fo
 models they draw, usable without any widget.
 """
 
-from llmlab.viz.recording import Recorder, Recording, load
+from llmlab.engine.recording import Recorder, Recording, load
 from llmlab.viz.state import Frame, KVCacheState, MetricSeries, SchedulerSeries
 from llmlab.viz.views import KVCacheView, MetricsPanel, PolicyComparison, SchedulerTimeline
 

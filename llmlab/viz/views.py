@@ -2,7 +2,7 @@
 
 Every view is fed by step events only: attached to a live engine it starts from
 ``Engine.observe`` (a snapshot, then each event as it happens); given a
-:class:`~llmlab.viz.recording.Recording` it replays the same events with a slider and a
+:class:`~llmlab.engine.recording.Recording` it replays the same events with a slider and a
 play button. Redraws are throttled (at most every ``interval`` seconds, and at most a
 ``draw_budget`` share of the time) so watching costs the engine little; once events stop
 (the engine went idle or paused) a timer draws the newest state, so the last frame is
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from llmlab.engine.events import EngineSnapshot, StepEvent
-from llmlab.viz.recording import Recording, load
+from llmlab.engine.recording import Recording, load
 from llmlab.viz.state import (
     CACHED,
     EMPTY,
@@ -308,7 +308,7 @@ class KVCacheView(_View):
 
     Args:
         source: an ``LLM``, ``Engine`` or ``AsyncEngine`` to watch live, or a
-            :class:`~llmlab.viz.recording.Recording` (or its path) to replay.
+            :class:`~llmlab.engine.recording.Recording` (or its path) to replay.
         max_cells: most cells to draw before aggregating.
         interval: least seconds between two redraws while the engine runs.
         cell_px: cell size in pixels (default: 18 for up to 128 cells, 14 up to 512, else 10).

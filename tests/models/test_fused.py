@@ -9,6 +9,7 @@ from llmlab import LLM
 from llmlab.attention import cpu_kernels
 from llmlab.models import fused
 from llmlab.models.layers import RMSNorm, apply_rotary
+from llmlab.sampling.greedy import argmax_logprob
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.unavailable_reason() is not None, reason=str(cpu_kernels.unavailable_reason())
@@ -98,7 +99,7 @@ def test_argmax_logprob_matches_argmax_and_log_softmax(rows, vocab):
     logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: first wins
     if rows > 2:
         logits[2] = -1e30  # flat row: token 0, logprob -log(vocab)
-    tokens, logprobs = fused.argmax_logprob(logits)
+    tokens, logprobs = argmax_logprob(logits)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert tokens[0] == vocab // 2
     want = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]

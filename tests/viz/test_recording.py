@@ -7,8 +7,8 @@ import json
 import pytest
 
 from llmlab import LLM, SamplingParams
+from llmlab.engine.recording import event_from_json, event_to_json
 from llmlab.viz import load
-from llmlab.viz.recording import event_from_json, event_to_json
 
 
 @pytest.fixture
