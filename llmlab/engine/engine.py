@@ -94,11 +94,6 @@ class Engine:
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
     _init_lock: threading.Lock = attrs.field(factory=threading.Lock)
 
-    @property
-    def runner(self) -> Executor:
-        """The executor (kept under the name the model runner had)."""
-        return self.executor
-
     # -- requests ----------------------------------------------------------------------
 
     def add_request(

@@ -457,10 +457,6 @@ class SamplingParams:
         """Sequences generated: ``best_of`` if set, else ``n``."""
         return self.best_of if self.best_of is not None else self.n
 
-    @property
-    def all_stop_token_ids(self) -> frozenset[int]:
-        return frozenset(self.stop_token_ids)
-
     def clone(self) -> SamplingParams:
         """A copy (logits processors are deep-copied, so stateful ones are not shared)."""
         processors = tuple(copy.deepcopy(p) for p in self.logits_processors)

@@ -220,10 +220,10 @@ def test_kv_cache_is_sized_from_the_memory_budget(tiny_llama):
     from llmlab.cache.kv_tensors import bytes_per_block
 
     engine = LLM(tiny_llama, block_size=8, max_model_len=64, kv_cache_memory_bytes=1 << 20).llm_engine
-    model = engine.runner.model
-    per_block = bytes_per_block(model.kv_layout, 8, engine.runner.kv_caches[0].dtype)
+    model = engine.executor.model
+    per_block = bytes_per_block(model.kv_layout, 8, engine.executor.kv_caches[0].dtype)
     assert engine.kv_cache.num_blocks == (1 << 20) // per_block
-    cache_bytes = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    cache_bytes = sum(c.numel() * c.element_size() for c in engine.executor.kv_caches)
     assert cache_bytes == engine.kv_cache.num_blocks * per_block
     override = LLM(tiny_llama, block_size=8, max_model_len=64, num_gpu_blocks_override=9).llm_engine
     assert override.kv_cache.num_blocks == 9
@@ -269,7 +269,7 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 10**9)
     seen = []
-    model = engine.runner.model
+    model = engine.executor.model
     original = model.forward
 
     def spy(input_ids, positions, attn):
@@ -280,10 +280,10 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     import attrs
 
     def runner_for(caches, num_blocks):
-        return attrs.evolve(engine.runner, kv_caches=caches, num_kv_blocks=num_blocks)
+        return attrs.evolve(engine.executor, kv_caches=caches, num_kv_blocks=num_blocks)
 
     peak = builder._profile_peak_bytes(
-        runner_for, engine.runner.attention, model.kv_layout, engine.config, 48, torch.float32,
+        runner_for, engine.executor.attention, model.kv_layout, engine.config, 48, torch.float32,
         torch.device("cpu"),
     )
     # 100 tokens as sequences of at most max_model_len=48 (48 + 48 + 4); cache excluded.
