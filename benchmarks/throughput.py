@@ -123,6 +123,8 @@ import gc
 import json
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -265,9 +267,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decode steps timed for that split (on cuda as many more are profiled; "
         "default: 16 on cpu, 32 on cuda)",
     )
+    parser.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=True,
+        help="run each HF mode in a fresh Python process, so no mode's threads, allocator "
+        "or compiled state slows the next (default: on)",
+    )
+    # Internal: a child started by --isolate runs its one mode and writes the result here.
+    parser.add_argument("--mode-result", type=pathlib.Path, help=argparse.SUPPRESS)
     cuda = parser.add_argument_group("cuda only")
     cuda.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     apply_device_defaults(args)
     args.modes = [m.strip() for m in args.only.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
@@ -1184,10 +1194,46 @@ def print_cuda_report(
         )
 
 
+def run_mode_isolated(mode: str, model_dir: pathlib.Path, args) -> RunResult | None:
+    """``run_mode`` in a fresh ``python -m benchmarks.throughput`` process (same options,
+    same workload, this model). None if it fails."""
+    with tempfile.TemporaryDirectory(prefix="llmlab-bench-mode-") as tmp:
+        path = pathlib.Path(tmp) / "result.json"
+        # Later options win in argparse: these override the parent's.
+        command = [sys.executable, "-m", "benchmarks.throughput", *args.argv, "--only", mode,
+                   "--model-dir", str(model_dir), "--mode-result", str(path),
+                   "--threads", str(args.threads)]
+        # The child's output is relayed line by line through this process's stdout.
+        with subprocess.Popen(command, cwd=pathlib.Path(__file__).resolve().parents[1],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as child:
+            for line in child.stdout:
+                print(line, end="", flush=True)
+        if child.returncode != 0 or not path.is_file():
+            print(f"{mode} FAILED in its own process (exit status {child.returncode})",
+                  flush=True)
+            return None
+        return RunResult(**json.loads(path.read_text()))
+
+
+def _child_main(args) -> None:
+    """An ``--isolate`` child: time one mode on the parent's model and workload."""
+    (mode,) = args.modes
+    shape = ModelShape.from_hf_config(_hf_config(args.model_dir))
+    workload = make_workload(args.num_requests, args.seed, shape.vocab_size,
+                             args.prompt_len_range, args.output_len_range)
+    result = run_mode(mode, args.model_dir, workload, args)
+    if result is not None:
+        args.mode_result.write_text(json.dumps(attrs.asdict(result)))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.mode_result is not None:
+        _child_main(args)
+        return
     cuda = args.device == "cuda"
     dtype = args.torch_dtype
     with tempfile.TemporaryDirectory(prefix="llmlab-bench-") as tmp:
@@ -1234,7 +1280,10 @@ def main(argv: list[str] | None = None) -> None:
         report: dict = {}
         results = {}
         for mode in args.modes:
-            result = run_mode(mode, model_dir, workload, args, report)
+            if args.isolate and mode in HF_MODES:
+                result = run_mode_isolated(mode, model_dir, args)
+            else:
+                result = run_mode(mode, model_dir, workload, args, report)
             if result is not None:
                 results[mode] = result
         if cuda:
