@@ -538,7 +538,7 @@ def measure_decode_split(
         contexts = sorted(len(p) for p in prompts)
         first_event = len(events)
         if time_math:
-            with _timed_model_math(model) as math:
+            with _timed_model_math(model) as math, _timed_stages(engine) as stages:
                 walls = timed_steps(num_steps)
         else:
             walls = timed_steps(num_steps)
@@ -564,7 +564,9 @@ def measure_decode_split(
                     "expected; a CUDA graph replay bypasses forward): math not measured"
                 )
             math_ms = 1e3 * math["seconds"] / num_steps
-            result.update(math_ms=math_ms, host_ms=result["wall_ms"] - math_ms)
+            result.update(math_ms=math_ms, host_ms=result["wall_ms"] - math_ms,
+                          host_stages_ms=host_stages(stages, math["seconds"], sum(walls),
+                                                     num_steps))
         if profile:
             busy_us, activities, profiled = _profile_steps(engine, num_steps)
             result.update(
@@ -632,6 +634,80 @@ def _timed_model_math(model: torch.nn.Module):
                 delattr(model, name)
             else:
                 setattr(model, name, original)
+
+
+# Host work per decode step by stage: (label, owner attribute path from the engine, method).
+# Methods are wrapped on their classes for the timed steps only. Nested stages are reported
+# exclusive of what they contain (host_stages). These name today's engine internals: when
+# the engine is restructured, update this table with it.
+_STAGES = (
+    ("schedule", "scheduler", "schedule"),
+    ("execute", "executor", "execute"),
+    ("metadata", "executor.attention", "build_metadata"),
+    ("sampling", "executor.sampler", "__call__"),
+    ("commit", None, "_commit"),
+    ("update", "scheduler", "update"),
+    ("text", None, "_advance_text"),
+    ("outputs", None, "_output"),
+    ("events", None, "_event"),
+    ("observers", None, "_notify"),
+)
+
+
+@contextlib.contextmanager
+def _timed_stages(engine):
+    """Wrap each stage's method (on its class) in a ``perf_counter`` accumulator; yield
+    ``{label: seconds}``. Classes are restored on exit."""
+    totals = {label: 0.0 for label, _, _ in _STAGES}
+    patched = []
+    try:
+        for label, path, name in _STAGES:
+            owner = engine
+            for part in path.split(".") if path else ():
+                owner = getattr(owner, part)
+            cls = type(owner)
+            original = cls.__dict__.get(name)
+            method = getattr(cls, name)
+
+            def wrapper(*args, _method=method, _label=label, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    totals[_label] += time.perf_counter() - start
+
+            setattr(cls, name, wrapper)
+            patched.append((cls, name, original))
+        yield totals
+    finally:
+        for cls, name, original in reversed(patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+
+
+def host_stages(totals: dict[str, float], math_s: float, wall_s: float, steps: int) -> dict:
+    """Milliseconds per step of each host stage, exclusive of the stages inside it:
+    the runner's own work is ``execute`` minus metadata, model math and sampling; the
+    engine's commit bookkeeping is ``commit`` minus the scheduler's update, text, outputs
+    and events; ``rest`` is the step's wall time outside every stage."""
+    ms = {k: 1e3 * v / steps for k, v in totals.items()}
+    math_ms = 1e3 * math_s / steps
+    parts = {
+        "schedule": ms["schedule"],
+        "metadata": ms["metadata"],
+        "sampling": ms["sampling"],
+        "runner": ms["execute"] - ms["metadata"] - ms["sampling"] - math_ms,
+        "update": ms["update"],
+        "text": ms["text"],
+        "outputs": ms["outputs"],
+        "events": ms["events"],
+        "commit": ms["commit"] - ms["update"] - ms["text"] - ms["outputs"] - ms["events"],
+        "observers": ms["observers"],
+    }
+    parts["rest"] = 1e3 * wall_s / steps - math_ms - sum(parts.values())
+    return parts
 
 
 def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
@@ -1117,6 +1193,9 @@ def print_cpu_decode_split(line: dict | None, decode: dict | None) -> None:
         f"  (StepEvents: {decode['engine_wall_ms']:.2f} ms engine step, "
         f"{decode['model_ms']:.2f} ms in the model runner)"
     )
+    stages = decode.get("host_stages_ms")
+    if stages:
+        print("  by stage, ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
 
 
 def print_cuda_report(

@@ -492,6 +492,18 @@ def test_the_cpu_path_end_to_end_prints_best_hf_and_the_roofline(tiny_llama, tmp
     assert decode["batch"] == 4 and decode["num_steps"] == 16 and decode["gpu_ms"] is None
     assert decode["math_ms"] > 0 and decode["host_target_ms"] == 1.5
     assert decode["host_ms"] == pytest.approx(decode["wall_ms"] - decode["math_ms"])
+    # The host work by stage adds up to it, and every stage ran.
+    stages = decode["host_stages_ms"]
+    assert sum(stages.values()) == pytest.approx(decode["host_ms"])
+    for stage in ("schedule", "metadata", "sampling", "update", "outputs", "events"):
+        assert stages[stage] > 0, stage
+    assert "by stage, ms per step: schedule " in text
+    # The timers are gone afterwards: the classes have their own methods back.
+    from llmlab.engine.engine import Engine as EngineClass
+    from llmlab.scheduler import Scheduler as SchedulerClass
+
+    assert EngineClass._commit.__qualname__ == "Engine._commit"
+    assert SchedulerClass.schedule.__qualname__ == "Scheduler.schedule"
     assert set(payload["results"]) == {"llmlab", "hf", "hf-static"}
     line = payload["roofline"]
     assert line["num_steps"] > 0 and 0 < line["total_s"]
