@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (see DEVELOPERS' guide): probe the machine, run the test suite
-# on CUDA, then the attention and throughput benchmarks. Everything lands under $OUT (logs,
-# JUnit XML, JSON results); the end of stdout is a short summary.
+# One call on a lent GPU machine (see DEVELOPERS' guide): probe the machine, then the stages
+# asked for. Everything lands under $OUT (logs, JUnit XML, JSON results); the end of stdout is
+# a short summary.
 #
-#   bash benchmarks/gpu_session.sh [tests|bench|throughput|tests+throughput|all] [pytest args...]
+#   bash benchmarks/gpu_session.sh [STAGE] [pytest args...]
+#
+# STAGE: tests (the suite on CUDA, pytest-xdist), throughput (benchmarks.throughput --device
+# cuda), tests+throughput, bench (benchmarks.attention, then throughput), or all (the
+# default: tests, then benchmarks.attention; about 10 minutes, one call's limit).
 #
 # Missing Python packages travel as wheels in .whl/ (installed into /tmp/site), because that
 # machine has no package index. Each stage has its own time limit so one stuck stage cannot

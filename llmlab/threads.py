@@ -147,7 +147,7 @@ class ThreadGovernor:
         now = time.monotonic() if now is None else now
         if now - self._last >= self.period:
             self._last = now
-            threads = max(1, min(self.ceiling, self.ceiling - self.count()))
+            threads = max(1, self.ceiling - self.count())
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         return torch.get_num_threads()
@@ -161,17 +161,16 @@ def configure_threads(cpu_threads: int | None = None) -> ThreadGovernor | None:
     model runner ticks before each step."""
     import torch
 
-    env = os.environ
-    if cpu_threads is not None or env.get(ENV_THREADS):
-        threads = resolve_threads(cpu_threads)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+    threads = resolve_threads(cpu_threads)
+    if threads is None:  # OMP_NUM_THREADS set: torch already follows the user's choice
         return None
-    if env.get("OMP_NUM_THREADS"):
-        return None
-    governor = ThreadGovernor(ceiling=min(torch.get_num_threads(), available_cpus()))
-    governor.tick()
-    return governor
+    if cpu_threads is None and not os.environ.get(ENV_THREADS):  # automatic: the usable cores
+        governor = ThreadGovernor(ceiling=min(torch.get_num_threads(), threads))
+        governor.tick()
+        return governor
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return None
 
 
 def child_env(num_children: int, environ: dict | None = None, threads: int | None = None) -> dict:

@@ -43,8 +43,6 @@ def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("LlamaForCausalLM")
 
 
-
-
 # On CUDA an engine takes gpu_memory_utilization (0.9 by default) of the whole device for its
 # KV cache, minus what is already in use, as vLLM's does. The suite builds many engines, some
 # alive at once (module-scoped fixtures) and in several pytest-xdist workers sharing one GPU:

@@ -151,6 +151,6 @@ def test_a_planted_upward_import_is_caught(importer, planted):
 
 
 def test_a_module_missing_from_the_table_is_caught():
-    table = [band for band in bands(DOC.read_text())]
-    table = [[entry for entry in band if entry != "llmlab/threads.py"] for band in table]
+    table = [[entry for entry in band if entry != "llmlab/threads.py"]
+             for band in bands(DOC.read_text())]
     assert "llmlab.threads: not in the layer table" in upward_imports(table, all_modules())

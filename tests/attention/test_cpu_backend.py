@@ -119,7 +119,8 @@ def test_parallel_samples_share_then_copy_blocks_on_the_cpu_backend(tiny_llama):
     greedy samples must all equal the single greedy continuation."""
     from llmlab import LLM, SamplingParams
 
-    llm = LLM(tiny_llama, device="cpu", dtype="float32", block_size=4, attention_backend="cpu", seed=0)
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", block_size=4, attention_backend="cpu",
+              seed=0)
     prompt = {"prompt_token_ids": [5, 9, 14, 3, 7, 22, 8]}  # 7 tokens: the last block is shared
     one = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
                                                 ignore_eos=True), use_tqdm=False)

@@ -38,7 +38,8 @@ def _model(llm: LLM):
                                   "OPTForCausalLM"])
 def test_onednn_is_the_cpu_default_and_decodes_like_the_plain_path(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
-    fast, plain = LLM(path, device="cpu", dtype="float32"), LLM(path, device="cpu", dtype="float32", cpu_linear="plain")
+    fast = LLM(path, device="cpu", dtype="float32")
+    plain = LLM(path, device="cpu", dtype="float32", cpu_linear="plain")
     fast_model, plain_model = _model(fast), _model(plain)
     assert not any(isinstance(m, nn.Linear) for m in fast_model.modules()
                    if m is not getattr(fast_model, "lm_head", None))
@@ -57,7 +58,8 @@ def test_onednn_is_the_cpu_default_and_decodes_like_the_plain_path(tiny_model_fa
 
 
 def test_prepack_counts_every_projection_and_the_head(tiny_model_factory):
-    llm = LLM(tiny_model_factory("LlamaForCausalLM"), device="cpu", dtype="float32", cpu_linear="plain")
+    llm = LLM(tiny_model_factory("LlamaForCausalLM"), device="cpu", dtype="float32",
+              cpu_linear="plain")
     model = _model(llm)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     head_is_module = getattr(model, "lm_head", None) is not None
@@ -73,7 +75,8 @@ def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="cpu_linear='onednn' cannot run: no oneDNN here"):
         LLM(tiny_llama, device="cpu", cpu_linear="onednn")
     # "auto" falls back to the plain path.
-    assert _model(LLM(tiny_llama, device="cpu", dtype="float32"))._modules.get("packed_head") is None
+    plain = LLM(tiny_llama, device="cpu", dtype="float32")
+    assert _model(plain)._modules.get("packed_head") is None
 
 
 def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
