@@ -112,7 +112,7 @@ def build_benchmark_model(path: pathlib.Path, seed: int = 0, device: str = "cpu"
     """Write the random-weight benchmark model for ``device`` (HF format, float32 on disk,
     with a small tokenizer) to ``path``: the Llama of ``BENCH_MODEL_CONFIG`` for CPU, the
     Qwen3-0.6B-shaped model of ``QWEN3_0_6B_CONFIG`` for CUDA (about 2.4 GB)."""
-    from llmlab.models.tiny import build_tiny_model
+    from llmlab.testing.tiny import build_tiny_model
 
     architecture, config = BENCH_MODELS[device]
     return build_tiny_model(path, architecture, seed=seed, **config)

@@ -54,7 +54,7 @@ import torch
 from llmlab import LLM, SamplingParams
 
 repeats = int(sys.argv[1])
-from llmlab.models.builtin import builtin_model_path
+from llmlab.builtin import builtin_model_path
 llm = LLM(str(builtin_model_path()), seed=0)
 params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 prompts = [f"Once upon a time, there was a {w}" for w in

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from llmlab.models.tiny import ensure_builtin_model
+        from llmlab.builtin import ensure_builtin_model
 
         model = str(ensure_builtin_model())
     vocab_size = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]

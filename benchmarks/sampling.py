@@ -276,7 +276,7 @@ def bench_breakdown(args: argparse.Namespace) -> None:
 def tiny_tokenizer(tmp: pathlib.Path):
     import transformers
 
-    from llmlab.models.tiny import build_tiny_model
+    from llmlab.testing.tiny import build_tiny_model
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -330,7 +330,7 @@ def stream_decode_stream(tokenizer, prompt, output, stops) -> str:
 
 
 def bench_detokenizer(args: argparse.Namespace) -> None:
-    from llmlab.models.tiny_corpus import corpus_lines
+    from llmlab.testing.tiny_corpus import corpus_lines
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = tiny_tokenizer(pathlib.Path(tmp))

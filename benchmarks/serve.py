@@ -34,10 +34,10 @@ def main() -> None:
     import uvicorn
 
     from llmlab import LLM, SamplingParams
+    from llmlab.builtin import ensure_builtin_model
     from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.models.tiny import ensure_builtin_model
+    from llmlab.loadtest import BenchConfig, benchmark, format_report, sample_requests
     from llmlab.server.app import build_app
-    from llmlab.server.bench import BenchConfig, benchmark, format_report, sample_requests
 
     model = args.model or str(ensure_builtin_model())
     settings = {"max_num_seqs": args.max_num_seqs, "seed": 0}

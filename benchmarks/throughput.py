@@ -120,6 +120,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
 import pathlib
@@ -637,20 +638,22 @@ def _timed_model_math(model: torch.nn.Module):
 
 
 # Host work per decode step by stage: (label, owner attribute path from the engine, method).
-# Methods are wrapped on their classes for the timed steps only. Nested stages are reported
-# exclusive of what they contain (host_stages). These name today's engine internals: when
-# the engine is restructured, update this table with it.
+# Methods are wrapped on their classes for the timed steps only ("module:" owners: the
+# function is replaced in that module). Nested stages are reported exclusive of what they
+# contain (host_stages). These name today's engine internals: when the engine is
+# restructured, update this table with it.
 _STAGES = (
     ("schedule", "scheduler", "schedule"),
     ("execute", "executor", "execute"),
+    ("batch", "executor", "prepare"),
     ("metadata", "executor.attention", "build_metadata"),
     ("sampling", "executor.sampler", "__call__"),
     ("commit", None, "_commit"),
     ("update", "scheduler", "update"),
-    ("text", None, "_advance_text"),
-    ("outputs", None, "_output"),
-    ("events", None, "_event"),
-    ("observers", None, "_notify"),
+    ("text", "outputs", "stop_string"),
+    ("outputs", "outputs", "outputs"),
+    ("events", "module:llmlab.engine.engine", "step_event"),
+    ("observers", "module:llmlab.engine.engine", "notify"),
 )
 
 
@@ -662,10 +665,13 @@ def _timed_stages(engine):
     patched = []
     try:
         for label, path, name in _STAGES:
-            owner = engine
-            for part in path.split(".") if path else ():
-                owner = getattr(owner, part)
-            cls = type(owner)
+            if path and path.startswith("module:"):
+                cls = importlib.import_module(path.removeprefix("module:"))
+            else:
+                owner = engine
+                for part in path.split(".") if path else ():
+                    owner = getattr(owner, part)
+                cls = type(owner)
             original = cls.__dict__.get(name)
             method = getattr(cls, name)
 
@@ -696,9 +702,10 @@ def host_stages(totals: dict[str, float], math_s: float, wall_s: float, steps: i
     math_ms = 1e3 * math_s / steps
     parts = {
         "schedule": ms["schedule"],
+        "batch": ms["batch"],
         "metadata": ms["metadata"],
         "sampling": ms["sampling"],
-        "runner": ms["execute"] - ms["metadata"] - ms["sampling"] - math_ms,
+        "runner": ms["execute"] - ms["batch"] - ms["metadata"] - ms["sampling"] - math_ms,
         "update": ms["update"],
         "text": ms["text"],
         "outputs": ms["outputs"],

@@ -1,5 +1,5 @@
 import sys
 
-from llmlab.server.cli import main
+from llmlab.cli import main
 
 sys.exit(main())

@@ -14,6 +14,7 @@ import re
 import attrs
 import torch
 
+from llmlab.dtypes import dtype_from_name
 from llmlab.validation import as_bool, as_choice, as_int, as_real, as_seed, as_str
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -29,12 +30,9 @@ def _path(field: str, value: object, *, allow_none: bool = False) -> str | None:
 def _dtype(value: object) -> str | torch.dtype:
     if not isinstance(value, torch.dtype):  # vLLM takes a torch.dtype too
         value = as_str("dtype", value, allow_empty=False)
-    if value != "auto":
-        # The loader owns the list of dtype names; asking it here rejects a typo at
-        # construction rather than after the model download.
-        from llmlab.models.loader import resolve_dtype
-
-        resolve_dtype(value, None)
+    # Checking the name here rejects a typo at construction rather than after the model
+    # download; what "auto" becomes is the loader's business.
+    dtype_from_name(value)
     return value
 
 
@@ -116,7 +114,7 @@ class EngineConfig:
             models, and for bfloat16 ones where the CPU has native bf16 (avx512_bf16 or
             AMX), when this torch build has it.
         cpu_fused_ops: on CPU, run the Llama family's residual add + RMSNorm, rotary
-            embedding and SiLU x up as fused C++ kernels (``llmlab.models.fused``) when
+            embedding and SiLU x up as fused C++ kernels (``llmlab.kernels.fused``) when
             llmlab's CPU kernels load; ``False`` keeps the plain torch ops.
         cpu_threads: torch/OpenMP threads for CPU work (process-wide, like
             ``torch.set_num_threads``). ``None``: the ``LLMLAB_CPU_THREADS`` environment

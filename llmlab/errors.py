@@ -8,6 +8,10 @@ names the component and the method, chained to the original exception.
 
 from __future__ import annotations
 
+import logging
+
+_logger = logging.getLogger("llmlab.engine.engine")  # where step errors were always logged
+
 
 def component_name(component: object) -> str:
     """``'name' (ClassName)`` for a component with a ``name``, else the class name."""
@@ -47,3 +51,15 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, reason: str) -> None:
         self.request_id = request_id
         super().__init__(reason)
+
+
+def raise_first(errors: list[Exception]) -> None:
+    """Raise the first error of a step; log the others so none goes unseen."""
+    if not errors:
+        return
+    for extra in errors[1:]:
+        _logger.error("also in this step: %s: %s", type(extra).__name__, extra)
+    first = errors[0]
+    if len(errors) > 1 and hasattr(first, "add_note"):
+        first.add_note(f"({len(errors) - 1} more error(s) in the same step were logged)")
+    raise first

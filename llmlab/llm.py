@@ -13,7 +13,8 @@ import attrs
 import numpy as np
 
 from llmlab.engine.builder import EngineBuilder
-from llmlab.engine.engine import Engine, PromptType
+from llmlab.engine.engine import Engine
+from llmlab.engine.inputs import PromptType, render_chat
 from llmlab.engine.outputs import RequestOutput
 from llmlab.sampling.beam_search import (
     BeamSearchOutput,
@@ -197,7 +198,7 @@ class LLM:
             )
         token_prompts = []
         for prompt in _as_prompt_list(prompts):
-            _, ids = engine._tokenize(prompt)
+            _, ids = engine.inputs.tokenize(prompt)
             token_prompts.append(ids)
         bar = None
         if use_tqdm:
@@ -283,53 +284,6 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: Sequence[dict] | Sequence[Sequence[dict]],
-    *,
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[dict]:
-    """Render conversations with ``tokenizer``'s chat template (or ``chat_template``):
-    ``{"prompt": text, "prompt_token_ids": ids}`` per conversation (see
-    :meth:`LLM.render_chat`; the server renders chat requests with this too)."""
-    if tokenizer is None:
-        raise ValueError("chat needs a tokenizer (the LLM was built with skip_tokenizer_init)")
-    conversations = _as_conversations(messages)
-    if add_generation_prompt and continue_final_message:
-        raise ValueError(
-            "add_generation_prompt and continue_final_message exclude each other; set "
-            "add_generation_prompt=False to continue the final message"
-        )
-    if chat_template is not None and not isinstance(chat_template, str):
-        raise TypeError(f"chat_template must be a str or None, got {type(chat_template).__name__}")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "the tokenizer has no chat template; pass chat_template=... (a Jinja template)"
-        )
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        raise TypeError(
-            f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
-        )
-    bos = getattr(tokenizer, "bos_token", None)
-    prompts = []
-    for conversation in conversations:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-        has_bos = bool(bos) and text.startswith(bos)
-        ids = tokenizer.encode(text, add_special_tokens=not has_bos)
-        prompts.append({"prompt": text, "prompt_token_ids": ids})
-    return prompts
-
-
 def _per_prompt(field: str, values: Any, n: int, check, allowed: str) -> list:
     """A list with one entry per prompt, or ValueError naming the field (type errors too:
     a wrong list is one mistake, whatever is wrong with it, and nothing gets queued)."""
@@ -365,28 +319,6 @@ def _as_users(user: Any, n: int) -> list[str | None]:
     if user is None:
         return [None] * n
     return _per_prompt("user", user, n, lambda u: u is None or isinstance(u, str), "a str or None")
-
-
-def _as_conversations(messages: Any) -> list[list[dict]]:
-    """One conversation or a list of them, each a list of message dicts."""
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise ValueError(
-            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a "
-            f"list of such lists, got {messages!r}"
-        )
-    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-    for i, conversation in enumerate(conversations):
-        if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence):
-            raise ValueError(  # noqa: TRY004 - one error kind for every malformed conversation
-                f"messages[{i}] must be a list of message dicts, got {conversation!r}"
-            )
-        for j, message in enumerate(conversation):
-            if not isinstance(message, dict) or "role" not in message:
-                raise ValueError(
-                    f"message {j} of conversation {i} must be a dict with 'role' and "
-                    f"'content', got {message!r}"
-                )
-    return [list(c) for c in conversations]
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

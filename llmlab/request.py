@@ -1,7 +1,12 @@
-"""A request's lifetime state: owned by the scheduler, read by everything below the engine.
+"""A request's lifetime state: its lifecycle is written by the scheduler alone.
 
-This module sits below the engine, scheduler, cache and sampler (it imports only
-``SamplingParams``), so those packages import it downward and never reach into the engine.
+Input processing creates a ``Request``; from then on only the scheduler changes its
+lifecycle (status, computed tokens, output tokens, row). Executors never see it: they get
+the step contract's plain data (:mod:`llmlab.scheduler.batch`) and keep their own per-row
+state. Output processing reads it and keeps what was reported in its own records.
+
+This module sits below the engine, scheduler and cache (it imports only
+``SamplingParams``), so those packages import it downward.
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ import enum
 from typing import Any
 
 import attrs
-import torch
 
 from llmlab.sampling.params import SamplingParams
 
@@ -56,10 +60,6 @@ class Request:
     # Tokens that end generation unless ``ignore_eos``: the tokenizer's EOS plus any the
     # checkpoint's generation_config lists (e.g. Llama 3 instruct's end-of-turn token).
     eos_token_ids: frozenset[int] = frozenset()
-    # The request's own random stream when ``sampling_params.seed`` is set; the sampler
-    # creates it on the logits' device at the first draw and it lives with the request, so
-    # a preempted request continues its stream.
-    generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = attrs.field(factory=list)
@@ -92,16 +92,6 @@ class Request:
     # is set, and of each prompt position (None first) when ``prompt_logprobs`` is.
     output_logprobs: list = attrs.field(factory=list)
     prompt_logprobs: list = attrs.field(factory=list)
-    # Incremental detokenizer (text, stop strings) and structured-output state, set by the
-    # engine when the request needs them.
-    detokenizer: Any = None
-    grammar: Any = None
-    # What the engine has reported (DELTA outputs) and the vLLM-shaped logprob dicts it
-    # built, extended as tokens arrive rather than rebuilt every step.
-    num_reported_tokens: int = 0
-    num_reported_prompt_logprobs: int = 0
-    logprob_dicts: list = attrs.field(factory=list)
-    prompt_logprob_dicts: list = attrs.field(factory=list)
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property

@@ -221,3 +221,43 @@ def as_token_ids(field: str, value: object, *, vocab_size: int | None = None) ->
             raise ValueError(f"{field}: token id {tok} at index {i} is negative (ids are >= 0)")
         token_ids.append(tok)
     return token_ids
+
+
+def as_request_ids(value: object) -> set[str]:
+    """One request id, or an iterable of them, as a set (``TypeError`` for a non-str id)."""
+    if isinstance(value, str):
+        return {value}
+    ids = set(value)
+    bad = [i for i in ids if not isinstance(i, str)]
+    if bad:
+        raise TypeError(f"request ids must be str, got {bad[0]!r}")
+    return ids
+
+
+class FrozenDict(dict):
+    """A ``dict`` that refuses changes: what frozen parameters hold where a mapping is
+    given (``logit_bias``, a JSON schema), so data handed to executors stays read-only.
+    Equal to, and serialized as, the plain dict; pickles as one."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+    def __hash__(self):  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+
+def freeze_json(value: object) -> object:
+    """A JSON value with every object as a :class:`FrozenDict` and every array a tuple."""
+    if isinstance(value, dict):
+        return FrozenDict({k: freeze_json(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(freeze_json(v) for v in value)
+    return value

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from llmlab.models.tiny import build_tiny_model
+from llmlab.testing.tiny import build_tiny_model
 
 ARCHITECTURES = [
     "LlamaForCausalLM",

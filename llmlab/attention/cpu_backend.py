@@ -3,7 +3,7 @@
 The torch reference (:mod:`llmlab.attention.torch_backend`) must gather a sequence's
 context out of the paged cache into a dense copy before ``scaled_dot_product_attention``
 can read it, which on CPU costs more than the attention itself; its decode mirror avoids
-that only while the mirror fits. This backend calls :mod:`llmlab.attention.cpu_kernels`
+that only while the mirror fits. This backend calls :mod:`llmlab.kernels.cpu_kernels`
 instead: one call per layer writes the new tokens' K/V to their slots and attends, every
 (sequence, KV head, tile of query tokens) reading its context block by block through the
 block table, once for all query heads that share the KV head (GQA folded), with an online
@@ -25,8 +25,8 @@ import attrs
 import numpy as np
 import torch
 
-from llmlab.attention import cpu_kernels
 from llmlab.attention.backend import AttentionInputs
+from llmlab.kernels import cpu_kernels
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 

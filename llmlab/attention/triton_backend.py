@@ -2,7 +2,7 @@
 
 Where the torch reference gathers every sequence's context into a contiguous copy per layer
 (``index_select``) and pads a batch to its longest member, this backend reads K/V tile by
-tile straight from the block table (:mod:`llmlab.attention.triton_kernels`) and runs on the
+tile straight from the block table (:mod:`llmlab.kernels.triton_kernels`) and runs on the
 ragged batch as it is. Per step, :meth:`TritonPagedAttention.build_metadata` turns the batch
 into a few int32 device tensors (cumulative query offsets, context lengths, block tables)
 and two program lists: one program per decode (one query token, every query head of a KV
@@ -35,7 +35,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         import triton  # noqa: F401
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken install raising anything
         return f"triton cannot be imported ({type(err).__name__}: {err})"
-    from llmlab.attention.triton_kernels import interpreting
+    from llmlab.kernels.triton_kernels import interpreting
 
     if interpreting():
         if device.type == "cpu":
@@ -211,7 +211,7 @@ class TritonPagedAttention:
         cached = md.launches.get(key)
         if cached is not None:
             return cached
-        from llmlab.attention.triton_kernels import block_q_for, split_scratch
+        from llmlab.kernels.triton_kernels import block_q_for, split_scratch
 
         launches = []
         if md.decode_seqs.size:
@@ -250,7 +250,7 @@ class TritonPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        from llmlab.attention.triton_kernels import write_kv
+        from llmlab.kernels.triton_kernels import write_kv
 
         write_kv(k, v, kv_cache, metadata.slot_mapping)
         return self.attend_into(
@@ -269,7 +269,7 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """Attention of every query in the batch into ``out`` (any float dtype), reading
         K/V already in ``kv_cache``; returns ``out``."""
-        from llmlab.attention.triton_kernels import paged_attention
+        from llmlab.kernels.triton_kernels import paged_attention
 
         _, num_heads, head_dim = q.shape
         for programs, splits, scratch in self.launches(

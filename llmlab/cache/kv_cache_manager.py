@@ -102,6 +102,8 @@ class KVCacheManager:
     _log: dict[str, list[int]] = attrs.field(init=False, repr=False)
     # Requests whose table changed since the last drain (a dict keeps first-touch order).
     _touched: dict[str, None] = attrs.field(init=False, factory=dict, repr=False)
+    # Per request, the lowest table index changed since its last ``table_delta``.
+    _changed_from: dict[str, int] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
@@ -135,12 +137,22 @@ class KVCacheManager:
         """Fraction of blocks held by requests (cached free blocks count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return list(self._tables.get(request_id, ()))
-
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's block ids in position order, as an immutable copy."""
         return tuple(self._tables.get(request_id, ()))
+
+    def table_delta(self, request_id: str, whole: bool = False) -> tuple[int, tuple[int, ...]]:
+        """How the request's table changed since the last call: ``(first, blocks)`` with
+        ``table[first:] == blocks`` (``(len(table), ())`` when nothing changed); the
+        whole table with ``whole``. What the step contract sends executors."""
+        table = self._tables.get(request_id, ())
+        changed = self._changed_from.pop(request_id, None)
+        first = 0 if whole else len(table) if changed is None else min(changed, len(table))
+        return first, tuple(table[first:])
+
+    def _changed(self, request_id: str, first: int) -> None:
+        old = self._changed_from.get(request_id)
+        self._changed_from[request_id] = first if old is None or first < old else old
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -234,6 +246,7 @@ class KVCacheManager:
         if to_copy or to_uncache:
             first = min(to_copy + to_uncache)
             self._num_indexed[rid] = min(self._num_indexed.get(rid, 0), first)
+        self._changed(rid, 0 if prefix else min(to_copy, default=len(table)))
         table.extend(new_ids[len(to_copy) :])
         if table:
             self._tables[rid] = table
@@ -281,6 +294,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
+        self._changed_from.pop(request.request_id, None)
         if table:
             self._touched[request.request_id] = None
             self._release(table[::-1])
@@ -312,6 +326,7 @@ class KVCacheManager:
         del table[num_kept:]
         if released:
             self._touched[rid] = None
+            self._changed(rid, num_kept)
         if not table:
             del self._tables[rid]
             self._num_indexed.pop(rid, None)
@@ -334,6 +349,7 @@ class KVCacheManager:
         self._log["forked"].extend(parent_table)
         self._tables[child.request_id] = list(parent_table)
         self._touched[child.request_id] = None
+        self._changed(child.request_id, 0)
         if parent.request_id in self._num_indexed:
             self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)

@@ -26,8 +26,7 @@ import attrs
 import torch
 
 from llmlab import registry
-from llmlab.attention import cpu_kernels
-from llmlab.attention.backend import AttentionBackend
+from llmlab.attention.backend import AttentionBackend, block_table_tensor
 from llmlab.attention.selection import auto_backend
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.kv_cache_manager import KVCacheManager
@@ -36,7 +35,8 @@ from llmlab.config import EngineConfig
 from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
 from llmlab.engine.model_runner import ModelRunner
-from llmlab.models.cpu_linear import (
+from llmlab.kernels import cpu_kernels
+from llmlab.kernels.cpu_linear import (
     auto_packed_dtypes,
     onednn_unavailable_reason,
     prepack_linears,
@@ -49,7 +49,7 @@ from llmlab.models.loader import (
     resolve_model_path,
 )
 from llmlab.models.registry import get_model_class
-from llmlab.request import Request
+from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
@@ -200,6 +200,11 @@ class EngineBuilder:
             sampler.tokenizer = tokenizer  # bad_words are tokenized with it
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed)
+        eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_path)
+        # One grammar compiler (and compile cache) for input checks and the runner's rows.
+        grammars = None
+        if tokenizer is not None:
+            grammars = GrammarFactory(tokenizer, hf_config.vocab_size, eos_token_ids)
 
         def runner_for(kv_caches: list[torch.Tensor], num_blocks: int) -> ModelRunner:
             return ModelRunner(
@@ -212,6 +217,8 @@ class EngineBuilder:
                 generator=generator,
                 num_kv_blocks=num_blocks,
                 max_num_seqs=cfg.max_num_seqs,
+                max_model_len=max_model_len,
+                grammars=grammars,
             )
 
         num_blocks = num_blocks_for(
@@ -263,9 +270,10 @@ class EngineBuilder:
             tokenizer=tokenizer,
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
-            eos_token_ids=_eos_token_ids(tokenizer, hf_config, model_path),
+            eos_token_ids=eos_token_ids,
             default_sampling_params=default_sampling_params(model_path),
             max_logprobs=cfg.max_logprobs,
+            grammars=grammars,
         )
 
 
@@ -354,17 +362,19 @@ def _profile_peak_bytes(runner_for, attention, layout, cfg, max_model_len, dtype
     lens = [max_model_len] * (num_tokens // max_model_len)
     if num_tokens % max_model_len:
         lens.append(num_tokens % max_model_len)
-    entries, next_block = [], 0
+    entries, tables, next_block = [], [], 0
     for row, n in enumerate(lens):
         blocks = tuple(range(next_block, next_block + -(-n // bs)))
         next_block += len(blocks)
-        request = Request(f"profile-{row}", [0] * n, SamplingParams(max_tokens=1), 0.0)
-        entries.append(ScheduledRequest(request, row, 0, (0,) * n, blocks, num_scored=1))
+        tables.append(blocks)
+        entries.append(ScheduledRequest(f"profile-{row}", row, 0, (0,) * n, 0, blocks, 1))
     caches = allocate_kv_caches(attention, layout, next_block, bs, dtype, device)
     cache_bytes = sum(c.numel() * c.element_size() for c in caches)
     runner = runner_for([], 0)
     with torch.inference_mode():
-        hidden = runner.run_model(ScheduledBatch(tuple(entries)), caches)
+        hidden = runner.run_model(
+            ScheduledBatch(tuple(entries)), caches, block_tables=block_table_tensor(tables).numpy()
+        )
         runner.model.compute_logits(hidden[: min(cfg.max_num_seqs, num_tokens)])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
-from llmlab.attention.backend import AttentionContext
-from llmlab.scheduler.batch import ScheduledBatch
+from llmlab.attention.backend import AttentionContext, token_slots
+from llmlab.scheduler.batch import BlockTables, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,10 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def run(self, batch: ScheduledBatch, tables: BlockTables) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a pure decode batch through a graph, or None
-        when this batch must run eagerly (prefill, too large, graphs disabled)."""
+        when this batch must run eagerly (prefill, too large, graphs disabled).
+        ``tables``: the rows' block tables (the runner's, already updated by the batch)."""
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
@@ -125,25 +127,24 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
             self.captured[size] = captured
-        self._fill(entries, size)
+        self._fill(entries, tables, size)
         captured.replay()
         return captured.hidden[: len(entries)]
 
-    def _fill(self, entries, size: int) -> None:
+    def _fill(self, entries, tables: BlockTables, size: int) -> None:
         n, bs = len(entries), self.block_size
         ids, pos, slot = self._ids_h.numpy(), self._pos_h.numpy(), self._slot_h.numpy()
-        lens, tables = self._len_h.numpy(), self._bt_h.numpy()
-        width = 1
-        for i, entry in enumerate(entries):
-            table = entry.block_table
-            p = entry.start  # position of the one new token
-            ids[i] = entry.token_ids[0]
-            pos[i] = p
-            slot[i] = table[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            used = -(-(p + 1) // bs)
-            tables[i, :used] = table[:used]
-            width = max(width, used)
+        lens, staged = self._len_h.numpy(), self._bt_h.numpy()
+        # One new token per row, at position ``start``.
+        rows = np.fromiter((e.row for e in entries), np.int64, n)
+        p = np.fromiter((e.start for e in entries), np.int64, n)
+        ids[:n] = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
+        pos[:n] = p
+        lens[:n] = p + 1
+        width = max(1, int(-(-(p.max() + 1) // bs)))
+        rows_tables = tables.tables[rows, :width]
+        staged[:n, :width] = rows_tables
+        slot[:n] = token_slots(rows_tables, np.arange(n), p, bs)
         # Safe to overwrite the pinned staging now: the previous step's copies finished
         # before its sampled tokens were read back, which waits for the stream.
         ids[n:size] = 0

@@ -7,12 +7,17 @@ consumer that joins a running engine starts from an :class:`EngineSnapshot`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from llmlab.cache.kv_cache_manager import CacheSnapshot
-from llmlab.scheduler.batch import Admission
+from llmlab.cache.kv_cache_manager import BlockEvents, CacheSnapshot, KVCacheManager
+from llmlab.errors import component_name
+from llmlab.scheduler.batch import Admission, ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -26,6 +31,15 @@ class Arrival:
     n: int = 1
     priority: int = 0
     user: str | None = None
+
+    @classmethod
+    def of(cls, prepared: Any) -> Arrival:
+        """The arrival of a ``PreparedRequest``."""
+        params = prepared.params
+        return cls(
+            prepared.request_id, prepared.arrival_time, len(prepared.prompt_token_ids),
+            params.max_tokens, params.n, prepared.priority, prepared.user,
+        )
 
 
 @attrs.frozen
@@ -49,6 +63,22 @@ class EngineSnapshot:
     num_waiting: int
     num_running: int
     time_s: float
+
+    @classmethod
+    def take(
+        cls, step_index: int, kv: KVCacheManager, requests: Mapping[str, Any],
+        num_waiting: int, num_running: int, time_s: float,
+    ) -> EngineSnapshot:
+        """The snapshot of ``kv`` now; ``requests`` by id give each table's computed count."""
+        cache = kv.snapshot()
+        computed = {}
+        for rid in cache.block_tables:
+            request = requests.get(rid)
+            computed[rid] = request.num_computed_tokens if request is not None else 0
+        return cls(
+            step_index, kv.block_size, kv.num_blocks, cache, computed, num_waiting,
+            num_running, time_s,
+        )
 
 
 @attrs.frozen
@@ -123,3 +153,84 @@ class StepEvent:
 
 
 StepObserver = Callable[[StepEvent], None]
+
+
+def notify(observers: Sequence[StepObserver], event: StepEvent) -> None:
+    """Call each observer with ``event``; one that raises is logged (by name) and skipped."""
+    for observer in list(observers):
+        try:
+            observer(event)
+        except Exception:
+            logger.exception(
+                "step observer %s raised on step %d; it is skipped for this event",
+                _observer_name(observer),
+                event.step_index,
+            )
+
+
+def _observer_name(observer: object) -> str:
+    name = getattr(observer, "__qualname__", None) or getattr(observer, "__name__", None)
+    return repr(name) if name else component_name(observer)
+
+
+def step_event(
+    step_index: int,
+    batch: ScheduledBatch,
+    requests: Mapping[str, Any],
+    *,
+    finished: Sequence[Any],
+    aborted: Sequence[str],
+    arrived: Sequence[Arrival],
+    sampled: tuple[tuple[str, int], ...],
+    blocks: BlockEvents,
+    kv: KVCacheManager,
+    num_waiting: int,
+    num_running: int,
+    start: float,
+    end: float,
+    model_time: float,
+) -> StepEvent:
+    """The event of one step, after its commit. ``requests``: the batch's requests by id
+    (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
+    # One pass over the entries for every per-entry field (this runs every step).
+    scheduled, users, priorities, num_computed = [], [], [], []
+    num_decode = 0
+    for e in batch.entries:
+        request = requests[e.request_id]
+        scheduled.append((e.request_id, len(e.token_ids)))
+        users.append(request.user)
+        priorities.append(request.priority)
+        num_computed.append(request.num_computed_tokens)
+        if e.is_decode:
+            num_decode += 1
+    return StepEvent(
+        step_index=step_index,
+        scheduled=tuple(scheduled),
+        scheduled_users=tuple(users),
+        scheduled_priorities=tuple(priorities),
+        num_batched_tokens=batch.num_batched_tokens,
+        preempted=batch.preempted,
+        finished=tuple((r.request_id, r.finish_reason) for r in finished),
+        aborted=tuple(aborted),
+        blocks_allocated=blocks.allocated,
+        blocks_freed=blocks.freed,
+        blocks_prefix_hit=blocks.prefix_hits,
+        blocks_evicted=blocks.evicted,
+        blocks_forked=blocks.forked,
+        num_free_blocks=kv.num_free_blocks,
+        num_total_blocks=kv.num_blocks,
+        kv_usage=kv.usage,
+        num_waiting=num_waiting,
+        num_running=num_running,
+        wall_time_s=end - start,
+        model_time_s=model_time,
+        start_time_s=start,
+        end_time_s=end,
+        admitted=batch.admitted,
+        sampled=sampled,
+        arrived=tuple(arrived),
+        num_prefill_tokens=batch.num_batched_tokens - num_decode,
+        num_computed=tuple(num_computed),
+        blocks_cached=blocks.cached,
+        block_tables=blocks.tables,
+    )

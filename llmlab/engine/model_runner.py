@@ -1,17 +1,28 @@
 """The model runner: the :class:`~llmlab.engine.executor.Executor` that runs a real model.
 
 It turns a :class:`~llmlab.scheduler.batch.ScheduledBatch` into tensors, runs the model and
-samples; everything it needs comes in the batch (rows, token spans, block tables), so it
-never reads the scheduler or the KV cache manager. The batch is flat: the new tokens of
-every scheduled request are concatenated (no padding), positions and KV slots are given per
-token, and logits are computed only for the positions each entry asks to score.
+samples; everything it needs comes in the batch (rows, token spans, block-table changes,
+row setups), so it never reads the scheduler, the KV cache manager or a ``Request``. The
+batch is flat: the new tokens of every scheduled request are concatenated (no padding),
+positions and KV slots are given per token, and logits are computed only for the
+positions each entry asks to score.
 
-Per-row state of the attention backend (e.g. the CPU decode mirror) is created here, once
-per engine, released when the batch says a row was freed, and reset if a step fails.
+Per-row state, created when a row's first entry arrives (its ``setup``, or a fork) and
+dropped when the batch frees the row:
+
+* the block table (:class:`~llmlab.scheduler.batch.BlockTables`, one persistent array
+  updated from each entry's change, so a decode step copies no table);
+* the sampling state (:class:`~llmlab.sampling.metadata.SamplingRow`: parameters, prompt,
+  tokens sampled so far, grammar matcher, seeded stream);
+* the attention backend's state (e.g. the CPU decode mirror), created once per engine.
+
+If a step fails, all of it is reset and the scheduler re-sends every row's setup (the
+engine tells it), so no half-updated state survives a failure.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
@@ -22,13 +33,15 @@ from llmlab.attention.backend import (
     AttentionBackend,
     AttentionContext,
     AttentionInputs,
-    block_table_tensor,
     token_slots,
 )
 from llmlab.errors import ComponentError
 from llmlab.sampling.logprobs import gather_logprobs
+from llmlab.sampling.metadata import GrammarFactory, SamplingMetadata, SamplingRow
 from llmlab.sampling.sampler import Sampler
-from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
+from llmlab.scheduler.batch import BatchOutput, BlockTables, ScheduledBatch, ScheduledRequest
+
+logger = logging.getLogger(__name__)
 
 # Prompt positions scored at once for prompt_logprobs (bounds a [rows, vocab] tensor).
 _PROMPT_LOGPROBS_CHUNK = 256
@@ -39,6 +52,10 @@ class ModelRunner:
     """Executes batches on ``model`` with the paged KV tensors ``kv_caches``.
 
     Attributes:
+        max_model_len: the longest sequence (sizes the per-row block tables; default: as
+            many blocks as the cache has).
+        grammars: builds structured-output matchers for rows that ask (None: no tokenizer,
+            so no request can ask).
         attention_state: the backend's per-engine state (``create_state``), or None.
         decode_graphs: replays pure decode steps through CUDA graphs
             (:class:`~llmlab.engine.cuda_graphs.DecodeGraphs`), or None (eager).
@@ -53,14 +70,23 @@ class ModelRunner:
     generator: torch.Generator
     num_kv_blocks: int
     max_num_seqs: int
+    max_model_len: int | None = None
+    grammars: GrammarFactory | None = None
     attention_state: Any = attrs.field(init=False, default=None)
     # Set by the builder on CUDA unless enforce_eager (llmlab.engine.cuda_graphs).
     decode_graphs: Any = attrs.field(init=False, default=None)
     # Set by the builder when the CPU thread count is automatic (llmlab.threads.ThreadGovernor):
     # ticked before each step, it follows how many other tasks compete for the cores.
     threads: Any = attrs.field(init=False, default=None)
+    block_tables: BlockTables = attrs.field(init=False)
+    rows: list[SamplingRow | None] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        max_blocks = self.num_kv_blocks
+        if self.max_model_len is not None:
+            max_blocks = min(max_blocks, -(-self.max_model_len // self.block_size))
+        self.block_tables = BlockTables(self.max_num_seqs, max_blocks)
+        self.rows = [None] * self.max_num_seqs
         create = getattr(self.attention, "create_state", None)
         if create is not None:
             self.attention_state = create(
@@ -72,42 +98,86 @@ class ModelRunner:
     # -- the executor interface --------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch) -> BatchOutput:
-        """Release freed rows, apply block copies, run the model, sample."""
+        """Release freed rows, set up new ones, apply block copies, run the model, sample."""
         if self.threads is not None:
             self.threads.tick()
         try:
             return self._execute(batch)
         except BaseException as err:
             # Per-row state may be half-updated (e.g. a forward interrupted after some
-            # layers): start it afresh; the next step rebuilds it from the paged cache.
-            reset = getattr(self.attention_state, "reset", None)
-            if reset is not None:
-                reset()
+            # layers, a token sampled for some rows only): drop all of it; the scheduler
+            # sends every row's setup again, and the attention state is rebuilt from the
+            # paged cache.
+            self.reset()
             if isinstance(err, Exception) and not isinstance(err, ComponentError):
                 raise ComponentError.wrap("executor", self, "execute", err) from err
             raise
 
+    def reset(self) -> None:
+        """Forget every row's state (after a failed step)."""
+        self.rows = [None] * self.max_num_seqs
+        self.block_tables.reset()
+        reset = getattr(self.attention_state, "reset", None)
+        if reset is not None:
+            reset()
+
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
-        release = getattr(self.attention_state, "release", None)
-        if batch.freed_rows and release is not None:
-            release(batch.freed_rows)
+        if batch.freed_rows:
+            release = getattr(self.attention_state, "release", None)
+            if release is not None:
+                release(batch.freed_rows)
+            self.block_tables.release(batch.freed_rows)
+            for row in batch.freed_rows:
+                self.rows[row] = None
         if batch.block_copies:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
+        self._start_rows(batch.entries)
+        self.block_tables.apply(batch.entries)
         hidden = None
         if self.decode_graphs is not None:
-            hidden = self.decode_graphs.run(batch)  # None: not a batch a graph serves
+            # None: not a batch a graph serves.
+            hidden = self.decode_graphs.run(batch, self.block_tables)
         if hidden is None:
             hidden = self.run_model(batch, self.kv_caches, self.attention_state)
+        return self._sample(batch, hidden)
 
+    def _start_rows(self, entries: tuple[ScheduledRequest, ...]) -> None:
+        rows = self.rows
+        for e in entries:
+            setup = e.setup
+            if setup is not None:
+                params = setup.params
+                grammar = None
+                if params.structured_outputs is not None:
+                    grammar = self._grammars().new_state(
+                        params.structured_outputs, setup.output_token_ids
+                    )
+                rows[e.row] = SamplingRow(
+                    e.request_id, params, setup.prompt_token_ids,
+                    list(setup.output_token_ids), setup.eos_token_ids, grammar,
+                )
+            elif rows[e.row] is None:
+                raise ValueError(
+                    f"row {e.row} (request {e.request_id!r}) has no state: a row's first "
+                    "entry must carry its setup"
+                )
+
+    def _grammars(self) -> GrammarFactory:
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
+        return self.grammars
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> BatchOutput:
         # Rows of ``hidden`` to sample from: each scoring entry's last position, once for
         # the request and once more for each parallel sample it forks into.
         scored_rows: list[int] = []
-        sample_requests = []
+        sample_rows: list[SamplingRow] = []
         prompt_scores: list[Any] = [None] * len(batch.entries)
         prompt_starts: list[int] = [0] * len(batch.entries)
+        rows = self.rows
         offset = 0
         for i, entry in enumerate(batch.entries):
             base, offset = offset, offset + len(entry.token_ids)
@@ -118,14 +188,16 @@ class ModelRunner:
                     "runner samples one token per request (speculative verification is not "
                     "built yet)"
                 )
-            if k:
-                scored_rows.extend([offset - 1] * (1 + len(entry.forks)))
-                sample_requests.append(entry.request)
-                sample_requests.extend(entry.forks)
-            if entry.request.needs_prompt_logprobs:
+            if entry.prompt_logprobs_from >= 0:
                 scores = self._prompt_logprobs(entry, hidden, base)
                 if scores is not None:
                     prompt_starts[i], prompt_scores[i] = scores
+            if k:
+                scored_rows.extend([offset - 1] * (1 + len(entry.forks)))
+                leader = rows[entry.row]
+                sample_rows.append(leader)
+                for fork in entry.forks:
+                    sample_rows.append(self._fork_row(leader, fork))
         any_prompt = any(p is not None for p in prompt_scores)
         prompt_fields = {
             "prompt_logprobs": tuple(prompt_scores) if any_prompt else None,
@@ -135,11 +207,16 @@ class ModelRunner:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
         logits = self.model.compute_logits(hidden[scored_rows])
+        metadata = SamplingMetadata(
+            sample_rows, logits.shape[-1], logits.device, generator=self.generator
+        )
         try:
-            sampled = self.sampler(logits, sample_requests, self.generator)
+            sampled = self.sampler(logits, metadata)
         except Exception as err:
             raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
         tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
+        for row, token_id in zip(sample_rows, sampled.token_ids, strict=True):
+            _advance(row, token_id)
         token_ids, logprobs, top_logprobs, forks, j = [], [], [], [], 0
         for entry in batch.entries:
             if not entry.num_scored:
@@ -165,17 +242,29 @@ class ModelRunner:
             **prompt_fields,
         )
 
-    def _prompt_logprobs(self, entry, hidden: torch.Tensor, base: int):
+    def _fork_row(self, leader: SamplingRow, fork) -> SamplingRow:
+        """A parallel sample's row state, started at its first draw from the leader's."""
+        grammar = None
+        if fork.params.structured_outputs is not None:
+            grammar = self._grammars().new_state(fork.params.structured_outputs)
+        row = SamplingRow(
+            fork.request_id, fork.params, leader.prompt_token_ids,
+            list(leader.output_token_ids), leader.eos_token_ids, grammar,
+        )
+        self.rows[fork.row] = row
+        return row
+
+    def _prompt_logprobs(self, entry: ScheduledRequest, hidden: torch.Tensor, base: int):
         """Logprobs of the prompt tokens this entry's span predicts, not recorded before:
         ``(first prompt position scored, [TokenLogprobs, ...])`` or None."""
-        request = entry.request
-        prompt = request.prompt_token_ids
-        # Position p predicts prompt token p + 1; tokens up to len(recorded) - 1 are done.
-        lo = max(entry.start, len(request.prompt_logprobs) - 1)
+        row = self.rows[entry.row]
+        prompt = row.prompt_token_ids
+        # Position p predicts prompt token p + 1.
+        lo = max(entry.start, entry.prompt_logprobs_from)
         hi = min(entry.start + len(entry.token_ids), len(prompt) - 1)
         if hi <= lo:
             return None
-        k = request.sampling_params.prompt_logprobs
+        k = row.sampling_params.prompt_logprobs
         scores = []
         # Chunks bound the [rows, vocab] logits of a long prompt.
         for a in range(lo, hi, _PROMPT_LOGPROBS_CHUNK):
@@ -189,53 +278,83 @@ class ModelRunner:
     # -- tensors -----------------------------------------------------------------------
 
     def prepare(
-        self, batch: ScheduledBatch, attention_state: Any = None
+        self,
+        batch: ScheduledBatch,
+        attention_state: Any = None,
+        block_tables: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
-        """Flat ``input_ids``, ``positions`` and the attention description of a batch."""
+        """Flat ``input_ids``, ``positions`` and the attention description of a batch.
+
+        ``block_tables``: ``[len(entries), width]`` tables of the entries, for a batch
+        that is not this runner's (a profiling pass); by default the rows' own.
+        """
         entries = batch.entries
-        input_ids: list[int] = []
-        query_lens, seq_lens, starts = [], [], []
-        for entry in entries:
-            n = len(entry.token_ids)
-            input_ids.extend(entry.token_ids)
-            query_lens.append(n)
-            starts.append(entry.start)
-            seq_lens.append(entry.start + n)
-        tables = block_table_tensor([e.block_table for e in entries])
+        n = len(entries)
         # Host-side index arithmetic in numpy: a few small arrays per step, where each
         # torch op would cost more in dispatch than in work.
-        lens = np.asarray(query_lens, dtype=np.int64)
-        start = np.asarray(starts, dtype=np.int64)
-        if (lens == 1).all():  # all decodes: one token at each start
-            seq_index = np.arange(len(entries))
+        lens = np.fromiter((len(e.token_ids) for e in entries), np.int64, n)
+        start = np.fromiter((e.start for e in entries), np.int64, n)
+        seq_lens = start + lens
+        bs = self.block_size
+        if block_tables is None:
+            rows = np.fromiter((e.row for e in entries), np.int64, n)
+            width = int(-(-seq_lens.max() // bs))
+            block_tables = self.block_tables.tables[rows, :width]
+        num_tokens = int(lens.sum())
+        if num_tokens == n:  # all decodes: one token at each start
+            seq_index = np.arange(n)
             pos = start
+            input_ids = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
         else:
-            seq_index = np.repeat(np.arange(len(entries)), lens)
+            seq_index = np.repeat(np.arange(n), lens)
             # Position of each flat token: its sequence's start plus its offset in the span.
             first = np.cumsum(lens) - lens
-            pos = np.arange(len(input_ids)) - first[seq_index] + start[seq_index]
-        slots = torch.from_numpy(token_slots(tables.numpy(), seq_index, pos, self.block_size))
-        positions = torch.from_numpy(pos)
+            pos = np.arange(num_tokens) - first[seq_index] + start[seq_index]
+            input_ids = np.fromiter(
+                (t for e in entries for t in e.token_ids), np.int64, num_tokens
+            )
+        slots = torch.from_numpy(token_slots(block_tables, seq_index, pos, bs))
         dev = self.device
         inputs = AttentionInputs(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=tables,
+            query_lens=lens.tolist(),
+            seq_lens=seq_lens.tolist(),
+            block_tables=torch.from_numpy(block_tables),
             slot_mapping=slots.to(dev),
-            block_size=self.block_size,
+            block_size=bs,
             device=dev,
             rows=tuple(e.row for e in entries),
             state=attention_state,
         )
-        return torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), inputs
+        return (
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(pos).to(dev),
+            inputs,
+        )
 
     def run_model(
-        self, batch: ScheduledBatch, kv_caches: list[torch.Tensor], attention_state: Any = None
+        self,
+        batch: ScheduledBatch,
+        kv_caches: list[torch.Tensor],
+        attention_state: Any = None,
+        block_tables: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of every token in the batch."""
-        input_ids, positions, inputs = self.prepare(batch, attention_state)
+        input_ids, positions, inputs = self.prepare(batch, attention_state, block_tables)
         try:
             metadata = self.attention.build_metadata(inputs)
         except Exception as err:
-            raise ComponentError.wrap("attention backend", self.attention, "build_metadata", err) from err
-        return self.model(input_ids, positions, AttentionContext(self.attention, metadata, kv_caches))
+            raise ComponentError.wrap(
+                "attention backend", self.attention, "build_metadata", err
+            ) from err
+        context = AttentionContext(self.attention, metadata, kv_caches)
+        return self.model(input_ids, positions, context)
+
+
+def _advance(row: SamplingRow, token_id: int) -> None:
+    """A drawn token joins the row's history and moves its grammar."""
+    row.output_token_ids.append(token_id)
+    grammar = row.grammar
+    if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):
+        logger.warning(
+            "request %r: structured-output grammar rejected token %d", row.request_id, token_id
+        )

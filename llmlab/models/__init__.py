@@ -18,15 +18,9 @@ from llmlab.models.loader import (
 )
 from llmlab.models.opt import OPTForCausalLM
 from llmlab.models.registry import MODEL_REGISTRY, get_model_class, register_model
-from llmlab.models.tiny import (
-    TINY_ARCHITECTURES,
-    build_tiny_model,
-    ensure_builtin_model,
-)
 
 __all__ = [
     "MODEL_REGISTRY",
-    "TINY_ARCHITECTURES",
     "CausalLM",
     "GPT2LMHeadModel",
     "KVLayout",
@@ -35,8 +29,6 @@ __all__ = [
     "OPTForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
-    "build_tiny_model",
-    "ensure_builtin_model",
     "get_model_class",
     "iterate_weights",
     "load_model",

@@ -205,20 +205,3 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by :meth:`RotaryEmbedding.cos_sin` angles.
-
-    When the angles cover fewer channels than ``head_dim`` (partial rotary), only the
-    leading ones rotate and the rest pass through.
-    """
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return _rotate(x, cos, sin)
-    return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    rotated_half = torch.cat((-second, first), dim=-1)
-    return x * cos[:, None, :] + rotated_half * sin[:, None, :]

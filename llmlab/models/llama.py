@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
-from llmlab.models import fused
+from llmlab.kernels import fused
+from llmlab.kernels.fused import apply_rotary
 from llmlab.models.base import KVLayout, PagedCausalLMBase
 from llmlab.models.layers import (
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
-    apply_rotary,
     config_value,
     get_activation,
 )
@@ -195,7 +195,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the residual stream carried separately (``residual`` is
         None at the first layer), so each residual add fuses with the norm after it; the
-        same values, fewer passes (:mod:`llmlab.models.fused`). Returns ``(block output,
+        same values, fewer passes (:mod:`llmlab.kernels.fused`). Returns ``(block output,
         residual)``: the next layer's input is their sum."""
         norm = self.input_layernorm
         h, residual = fused.add_rms_norm(x, residual, norm.weight, norm.eps)

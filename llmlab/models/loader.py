@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from llmlab.dtypes import AUTO_DTYPES, DTYPE_NAMES, dtype_from_name
 from llmlab.models.layers import config_value
 from llmlab.models.registry import get_model_class
 
@@ -26,22 +27,6 @@ _METADATA_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
 # Mistral repos also carry consolidated.safetensors (Mistral-native names, a second copy of
 # every weight) and Llama 3 repos an original/ folder; neither is HF format.
 _IGNORE_PATTERNS = ["consolidated*", "original/*"]
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    # Not a serving dtype, but exact enough that numerical ties never flip a greedy token:
-    # tests comparing schedules (preemption vs none) use it.
-    "float64": torch.float64,
-    "double": torch.float64,
-}
-_AUTO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def resolve_model_path(
@@ -96,32 +81,22 @@ def resolve_dtype(
     """The compute dtype: ``auto`` keeps a 16-bit checkpoint's dtype; a float32 (or
     unspecified) checkpoint runs in float32 on CPU and in bfloat16 on CUDA (float16 where
     the GPU has no bfloat16), as vLLM does: GPU inference is memory-bound and 16-bit
-    weights and KV halve the bytes. Ask for ``dtype="float32"`` to keep full precision."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPE_NAMES.values():
-            raise ValueError(
-                f"dtype {dtype} is not supported; use float32, float16, bfloat16 or float64"
-            )
-        return dtype
-    if not isinstance(dtype, str):
-        raise ValueError(f"dtype must be a str or torch.dtype, got {dtype!r}")  # noqa: TRY004
-    name = dtype.lower().removeprefix("torch.")
-    if name == "auto":
-        # Recent transformers write ``dtype``; older configs ``torch_dtype``.
-        config_dtype = config_value(hf_config, "dtype", "torch_dtype")
-        if isinstance(config_dtype, str):
-            config_dtype = _DTYPE_NAMES.get(config_dtype.lower().removeprefix("torch."))
-        # A missing or exotic (float64, int8) config dtype means "whatever it was saved
-        # in", not a request; float32 is the safe reading.
-        if config_dtype not in _AUTO_DTYPES:
-            config_dtype = torch.float32
-        if config_dtype == torch.float32 and device is not None and device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return config_dtype
-    resolved = _DTYPE_NAMES.get(name)
-    if resolved is None:
-        raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {', '.join(_DTYPE_NAMES)}")
-    return resolved
+    weights and KV halve the bytes. Ask for ``dtype="float32"`` to keep full precision.
+    The names are :data:`llmlab.dtypes.DTYPE_NAMES`."""
+    resolved = dtype_from_name(dtype)
+    if resolved is not None:
+        return resolved
+    # "auto". Recent transformers write ``dtype``; older configs ``torch_dtype``.
+    config_dtype = config_value(hf_config, "dtype", "torch_dtype")
+    if isinstance(config_dtype, str):
+        config_dtype = DTYPE_NAMES.get(config_dtype.lower().removeprefix("torch."))
+    # A missing or exotic (float64, int8) config dtype means "whatever it was saved
+    # in", not a request; float32 is the safe reading.
+    if config_dtype not in AUTO_DTYPES:
+        config_dtype = torch.float32
+    if config_dtype == torch.float32 and device is not None and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return config_dtype
 
 
 # Config fields that bound the context length, most specific first.

@@ -3,6 +3,7 @@ search and structured outputs."""
 
 from llmlab.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from llmlab.sampling.logprobs import Logprob, TokenLogprobs
+from llmlab.sampling.metadata import SamplingMetadata, SamplingRow
 from llmlab.sampling.params import (
     GuidedDecodingParams,
     RequestOutputKind,
@@ -23,7 +24,9 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingBatch",
+    "SamplingMetadata",
     "SamplingParams",
+    "SamplingRow",
     "StructuredOutputsParams",
     "TokenLogprobs",
     "default_processors",

@@ -1,14 +1,14 @@
 """Greedy sampling's argmax and its logprob in one pass per row (a C++ kernel on CPU).
 
-The sampler's all-greedy fast path; the kernel comes from :mod:`llmlab.attention.cpu_kernels`
-(the loader of ``csrc/cpu_kernels.cpp``), and plain torch runs everywhere else.
+The sampler's all-greedy fast path; the kernel comes from :mod:`llmlab.kernels.cpu_kernels`
+(the loader of ``kernels/csrc/cpu_kernels.cpp``), and plain torch runs everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llmlab.attention import cpu_kernels
+from llmlab.kernels import cpu_kernels
 
 
 def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

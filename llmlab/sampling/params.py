@@ -21,7 +21,16 @@ from typing import Any
 
 import attrs
 
-from llmlab.validation import as_bool, as_int, as_real, as_seed, as_str, as_token_ids
+from llmlab.validation import (
+    FrozenDict,
+    as_bool,
+    as_int,
+    as_real,
+    as_seed,
+    as_str,
+    as_token_ids,
+    freeze_json,
+)
 
 
 class RequestOutputKind(enum.Enum):
@@ -106,7 +115,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
         tok = as_int("logit_bias key", tok, min=0, allowed="a token id >= 0")
         bias[tok] = as_real(f"logit_bias[{tok}]", b, min=-100, max=100)
-    return bias
+    return FrozenDict(bias)
 
 
 def _logprobs(field: str, value: object) -> int | None:
@@ -176,11 +185,12 @@ def _json_schema(value: object) -> str | dict | None:
         except ValueError as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
         return value
+    # Frozen (read-only mappings, arrays as tuples): parameters are shared, immutable data.
     if isinstance(value, Mapping):
-        return dict(value)
+        return freeze_json(dict(value))
     schema = getattr(value, "model_json_schema", None)  # a pydantic model class
     if callable(schema):
-        return schema()
+        return freeze_json(schema())
     raise TypeError(
         "structured_outputs.json must be a JSON schema (a dict or a JSON string) or a "
         f"pydantic model class, got {type(value).__name__} {value!r}"

@@ -2,8 +2,10 @@
 
 A :class:`LogitsProcessor` is any callable ``processor(logits, batch) -> logits`` over the
 whole batch: ``logits`` is ``[N, V]`` float32 (a private copy the sampler owns, so it may be
-modified in place), row ``i`` belongs to ``batch.requests[i]``, and :class:`SamplingBatch`
-holds the step's requests plus per-row tensors built on demand. Every built-in processor
+modified in place), row ``i`` belongs to ``batch.rows[i]`` (a per-row
+:class:`~llmlab.sampling.metadata.SamplingRow`; ``batch.requests`` is the same list), and
+:class:`~llmlab.sampling.metadata.SamplingMetadata` (also named ``SamplingBatch``) holds
+the step's rows plus per-row tensors built on demand. Every built-in processor
 first checks, in plain Python over the batch's parameters, whether any row uses it, and
 returns the logits untouched when none does; otherwise it works on the rows that do with a
 few tensor operations for the whole batch.
@@ -22,7 +24,7 @@ The default pipeline (:func:`default_processors`, ``Sampler.processors``), in or
 4. :class:`LogitBias`: ``logit_bias`` added (ids beyond the logits ignored).
 5. :class:`MinTokens`: while fewer than ``min_tokens`` tokens exist, ``-inf`` on the EOS ids
    (unless ``ignore_eos``) and ``stop_token_ids`` (ids beyond the logits ignored).
-6. :class:`StructuredOutputMask`: rows with a ``request.grammar`` are masked by
+6. :class:`StructuredOutputMask`: rows with a ``grammar`` are masked by
    ``llmlab.sampling.structured.apply_grammar_masks`` (imported only when needed).
 7. :class:`Penalties`: vLLM's repetition penalty (tokens in the prompt or the output:
    positive logits divided by it, the others multiplied), then frequency (minus penalty
@@ -45,16 +47,16 @@ import importlib
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
 
+from llmlab.sampling.metadata import SamplingMetadata, count_tokens  # noqa: F401 (re-exported)
 from llmlab.sampling.params import _positional_arity
 
-if TYPE_CHECKING:
-    from llmlab.request import Request
-    from llmlab.sampling.params import SamplingParams
+# The name processors written against earlier versions use for the metadata.
+SamplingBatch = SamplingMetadata
 
 NEG_INF = float("-inf")
 
@@ -64,115 +66,6 @@ class LogitsProcessor(Protocol):
     """One step of the pipeline, over the whole batch; may modify ``logits`` in place."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor: ...
-
-
-# -- the per-step batch ------------------------------------------------------------------
-
-
-@attrs.define(eq=False)
-class SamplingBatch:
-    """The requests of one sampler call and per-row data derived from them, built lazily.
-
-    Row lists (``list[int]``, ascending) come from plain Python over the parameters; tensors
-    are built only when a processor asks, with one ``torch.tensor`` per column.
-
-    Attributes:
-        requests: row ``i`` of the logits belongs to ``requests[i]``.
-        vocab_size: width of the logits (may be less than the tokenizer's vocabulary).
-        device: the logits' device; tensors built here live on it.
-        tokenizer: the sampler's tokenizer (needed by ``bad_words``), or None.
-        params: ``requests[i].sampling_params`` per row.
-    """
-
-    requests: Sequence[Request]
-    vocab_size: int
-    device: torch.device
-    tokenizer: Any = None
-    params: list[SamplingParams] = attrs.field(init=False)
-    _cache: dict = attrs.field(init=False, factory=dict, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.params = [r.sampling_params for r in self.requests]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.requests)
-
-    # -- rows --------------------------------------------------------------------------
-
-    def rows_where(self, pred: Callable[[SamplingParams], object]) -> list[int]:
-        """Rows whose sampling parameters satisfy ``pred``."""
-        return [i for i, p in enumerate(self.params) if pred(p)]
-
-    def requests_where(self, pred: Callable[[Request], object]) -> list[int]:
-        """Rows whose request satisfies ``pred``."""
-        return [i for i, r in enumerate(self.requests) if pred(r)]
-
-    @property
-    def random_rows(self) -> list[int]:
-        """Rows that draw at random (``temperature > 0``); the others are greedy."""
-        rows = self._cache.get("random_rows")
-        if rows is None:
-            rows = self._cache["random_rows"] = self.rows_where(lambda p: p.temperature > 0)
-        return rows
-
-    def random_rows_where(self, pred: Callable[[SamplingParams], object]) -> list[int]:
-        """Random rows whose parameters satisfy ``pred`` (the filters skip greedy rows)."""
-        params = self.params
-        return [i for i in self.random_rows if pred(params[i])]
-
-    # -- tensors -----------------------------------------------------------------------
-
-    def index(self, rows: Sequence[int]) -> torch.Tensor:
-        """``rows`` as a long tensor on the device."""
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    def values(
-        self, get: Callable[[SamplingParams], float], rows: Sequence[int] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor:
-        """``[len(rows)]`` tensor of ``get(params)`` per row (all rows by default)."""
-        params = self.params
-        vals = [get(p) for p in params] if rows is None else [get(params[i]) for i in rows]
-        return torch.tensor(vals, dtype=dtype, device=self.device)
-
-    def output_counts(self, rows: Sequence[int]) -> torch.Tensor:
-        """``[len(rows), V]`` float32: how often each token occurs in each row's output."""
-        key = ("output_counts", tuple(rows))
-        counts = self._cache.get(key)
-        if counts is None:
-            lists = [self.requests[i].output_token_ids for i in rows]
-            counts = self._cache[key] = count_tokens(lists, self.vocab_size, self.device)
-        return counts
-
-    def prompt_counts(self, rows: Sequence[int]) -> torch.Tensor:
-        """``[len(rows), V]`` float32: how often each token occurs in each row's prompt."""
-        key = ("prompt_counts", tuple(rows))
-        counts = self._cache.get(key)
-        if counts is None:
-            lists = [self.requests[i].prompt_token_ids for i in rows]
-            counts = self._cache[key] = count_tokens(lists, self.vocab_size, self.device)
-        return counts
-
-
-def count_tokens(
-    lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """``[len(lists), vocab_size]`` float32 counts of each list's ids, in one scatter.
-
-    Ids ``>= vocab_size`` are counted in a spare column that is dropped.
-    """
-    n = len(lists)
-    counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long, device=device)
-    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long,
-                       device=device)
-    if ids.numel():
-        rows = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-        ids = ids.clamp_(max=vocab_size)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32),
-                          accumulate=True)
-    return counts[:, :vocab_size]
 
 
 def _on_rows(
@@ -453,8 +346,8 @@ def _default_grammar_masks(logits: torch.Tensor, grammars: list) -> torch.Tensor
 
 @attrs.define
 class StructuredOutputMask:
-    """Step 6: structured outputs. When some row's ``request.grammar`` is set, calls
-    ``apply_masks(logits, [request.grammar per row])`` (None for rows without one), which
+    """Step 6: structured outputs. When some row's ``grammar`` is set, calls
+    ``apply_masks(logits, [row.grammar per row])`` (None for rows without one), which
     masks the logits in place.
 
     Attributes:
@@ -465,7 +358,7 @@ class StructuredOutputMask:
     apply_masks: Callable[[torch.Tensor, list], torch.Tensor | None] | None = None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        grammars = [r.grammar for r in batch.requests]
+        grammars = [getattr(r, "grammar", None) for r in batch.requests]
         if all(g is None for g in grammars):
             return logits
         apply = self.apply_masks if self.apply_masks is not None else _default_grammar_masks

@@ -1,6 +1,10 @@
 """The batched sampler: one call per step turns the batch's logits into next tokens.
 
-``Sampler(logits[N, V], requests, generator)``: row ``i`` belongs to ``requests[i]``.
+``Sampler(logits[N, V], metadata)``: a function of the logits and the step's
+:class:`~llmlab.sampling.metadata.SamplingMetadata`, whose row ``i`` (the per-row state an
+executor keeps, :class:`~llmlab.sampling.metadata.SamplingRow`) owns logits row ``i``. It
+reads no engine state. (``Sampler(logits, requests, generator)`` with request-like objects
+still works: they are wrapped as rows.)
 
 1. The raw logprobs, ``log_softmax`` of the unprocessed logits, are kept for reporting
    (vLLM's ``raw_logprobs``): the sampled token's, and the top ``logprobs`` per row.
@@ -11,32 +15,24 @@
    penalties, temperature, top-k, top-p, min-p). Replace or extend the list to change it.
 3. Greedy rows (``temperature == 0``) take the argmax of the processed logits. Random rows
    draw with the exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``, so a request with
-   its own seed draws its noise from its own generator: the same seed gives the same
-   tokens whatever else shares the batch. Unseeded rows share the engine's generator.
+   its own seed draws its noise from its own counter-based stream (re-seeded per draw from
+   the seed and the row's token count): the same seed gives the same tokens whatever else
+   shares the batch, and across preemption. Unseeded rows share the executor's generator.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from llmlab.sampling.greedy import argmax_logprob
 from llmlab.sampling.logprobs import TokenLogprobs, gather_logprobs
-from llmlab.sampling.processors import (
-    LogitsProcessor,
-    SamplingBatch,
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    default_processors,
-)
-
-if TYPE_CHECKING:
-    from llmlab.request import Request
+from llmlab.sampling.metadata import SamplingMetadata, SamplingRow
+from llmlab.sampling.processors import LogitsProcessor, default_processors
 
 
 def _default_top(self: SamplerOutput) -> list[TokenLogprobs | None]:
@@ -66,42 +62,6 @@ class SamplerOutput:
     )
 
 
-def filtered_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (each ``[N]``; top_k 0 or -1
-    or >= V is off, top_p 1 and min_p 0 are off), as the default processors apply them.
-
-    Each filter renormalises what the previous one kept. The returned rows sum to 1;
-    filtered entries are exactly 0.
-    """
-    logits = logits.float() / temperature[:, None]
-    vocab = logits.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
-    if bool((k < vocab).any()):
-        logits = apply_top_k(logits, k)
-    if bool((top_p < 1).any()):
-        logits = apply_top_p(logits, top_p.float())
-    if bool((min_p > 0).any()):
-        logits = apply_min_p(logits, min_p.float())
-    return torch.softmax(logits, dim=-1)
-
-
-def _own_generator(request: Request, device: torch.device) -> torch.Generator | None:
-    """The request's seeded stream, created at its first draw on the logits' device."""
-    seed = request.sampling_params.seed
-    if seed is None:
-        return None
-    if request.generator is None:
-        request.generator = torch.Generator(device=device)
-        request.generator.manual_seed(seed)
-    return request.generator
-
-
 @attrs.define
 class Sampler:
     """Greedy and random sampling for a batch of requests (one new token each).
@@ -120,15 +80,26 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        requests: Sequence[Request],
+        metadata: SamplingMetadata | Sequence[Any],
         generator: torch.Generator | None = None,
     ) -> SamplerOutput:
+        """Next token of every row. ``generator`` is only for the older form, where the
+        second argument is a list of request-like objects instead of the metadata."""
+        if not isinstance(metadata, SamplingMetadata):
+            metadata = SamplingMetadata(
+                [r if isinstance(r, SamplingRow) else SamplingRow.of(r) for r in metadata],
+                logits.shape[-1], logits.device, generator=generator,
+            )
+        requests = metadata.rows
         if len(requests) != logits.shape[0]:
             raise ValueError(
-                f"{logits.shape[0]} rows of logits for {len(requests)} requests"
+                f"{logits.shape[0]} rows of logits for {len(requests)} rows of metadata"
             )
         if not requests:
             return SamplerOutput([], [], [])
+        if metadata.tokenizer is None:
+            metadata.tokenizer = self.tokenizer
+        generator = metadata.generator
         raw = logits.float()
         builtin_only = all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
         if builtin_only and all(_plain_greedy(r) for r in requests):
@@ -140,7 +111,7 @@ class Sampler:
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
         skippable = builtin_only and all(_unchanged_greedy(r) for r in requests)
-        batch = SamplingBatch(requests, raw.shape[-1], raw.device, tokenizer=self.tokenizer)
+        batch = metadata
         if skippable:
             work = raw  # plain greedy rows and built-in processors only: nothing to change
         else:
@@ -160,7 +131,7 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
 
     def _draw(
-        self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
+        self, logits: torch.Tensor, batch: SamplingMetadata, generator: torch.Generator | None
     ) -> torch.Tensor:
         rows = batch.random_rows
         if not rows:
@@ -175,7 +146,7 @@ class Sampler:
     def _sample(
         self,
         logits: torch.Tensor,
-        batch: SamplingBatch,
+        batch: SamplingMetadata,
         rows: list[int],
         generator: torch.Generator | None,
     ) -> torch.Tensor:
@@ -208,7 +179,7 @@ class Sampler:
     def _race(
         self,
         logits: torch.Tensor,
-        batch: SamplingBatch,
+        batch: SamplingMetadata,
         rows: list[int],
         generator: torch.Generator | None,
         widths: bool = False,
@@ -228,7 +199,7 @@ class Sampler:
                 shared = torch.empty(len(unseeded), probs.shape[1], device=device)
                 noise[unseeded] = shared.exponential_(generator=generator)
         for j in seeded:
-            own = _own_generator(requests[rows[j]], device)
+            own = requests[rows[j]].seeded_generator(device)
             if widths:
                 width = batch.params[rows[j]].top_k
                 noise[j, :width].exponential_(generator=own)
@@ -263,7 +234,7 @@ def _restricts(request) -> bool:
     )
 
 
-def _revive_dead_rows(logits: torch.Tensor, batch: SamplingBatch) -> None:
+def _revive_dead_rows(logits: torch.Tensor, batch: SamplingMetadata) -> None:
     """A row whose constraints forbid every token (a finished grammar that allows only EOS
     while ``min_tokens`` bans it, bad words covering every allowed id) would draw from NaNs.
     Such a row gets its EOS ids back, so the request ends instead of emitting garbage."""

@@ -1,11 +1,16 @@
 """The step contract: what the scheduler hands to execution, and what execution returns.
 
-A :class:`ScheduledBatch` carries everything an executor needs to run one step, so no
-executor ever reads the scheduler's or the KV cache manager's state:
+Everything here is plain, immutable, picklable data: a :class:`ScheduledBatch` is exactly
+what an executor in another process (a tensor-parallel worker, a simulator) receives. It
+names requests by id and never carries the live ``Request``, so an executor cannot change
+lifecycle state; the scheduler does that with the returned :class:`BatchOutput`.
 
 * per request: a stable ``row`` (assigned at admission, held until the request finishes,
-  is preempted or aborted), the span of tokens to compute and where it starts, the full
-  block table, and how many trailing positions of the span to score;
+  is preempted or aborted), the span of tokens to compute and where it starts, the change
+  to the row's block table since the row's previous entry, how many trailing positions
+  of the span to score, and, on the row's first entry, a :class:`RowSetup` from which the
+  executor builds its per-row state (sampling parameters as admitted, the prompt, tokens
+  generated before a preemption);
 * for the whole step: rows released since the previous batch (their per-row state in an
   executor or backend is dead), and KV block copies (copy-on-write) to apply before the
   forward pass.
@@ -18,47 +23,82 @@ tokens per request (n > 1, beams, accepted speculative drafts) needs no contract
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
+import numpy as np
 
-if TYPE_CHECKING:
-    from llmlab.request import Request
+from llmlab.sampling.params import SamplingParams
+
+
+@attrs.frozen
+class RowSetup:
+    """What an executor needs to start a row's per-row state (sent once per row).
+
+    Attributes:
+        params: the request's sampling parameters, as they were at admission.
+        prompt_token_ids: its prompt (penalties, prompt logprobs, custom processors).
+        output_token_ids: tokens it generated before this row (a request resumed after
+            preemption, or re-sent after a failed step); the row's state starts from them
+            (penalty counts, grammar position, the seeded stream's draw index).
+        eos_token_ids: the ids that end it unless ``params.ignore_eos``.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@attrs.frozen
+class Fork:
+    """A parallel sample (n / best_of) that starts at its leader's sample this step: it is
+    drawn from the same logits with its own parameters, and its row's state starts then
+    (from the leader's prompt). The scheduler then gives it the leader's KV blocks by
+    reference; its own entries follow from the next step."""
+
+    request_id: str
+    row: int
+    params: SamplingParams
 
 
 @attrs.frozen
 class ScheduledRequest:
-    """One request's share of a step.
+    """One request's share of a step (immutable data).
 
     Attributes:
-        request: the request, for sampling state only (parameters, output tokens so far,
-            its seeded generator); executors never change its lifecycle fields.
+        request_id: the request.
         row: stable row of the request, in ``[0, max_num_seqs)``.
         start: positions already in the KV cache (prefix hit or earlier steps); the span
             covers positions ``start .. start + len(token_ids) - 1``.
         token_ids: the tokens to compute this step.
-        block_table: KV block ids of the request, in position order (covers the span).
+        blocks_from, blocks: the row's block table changed from index ``blocks_from`` on;
+            its entries from there are ``blocks`` (so ``table[blocks_from:] = blocks``).
+            The first entry of a row sends the whole table (``blocks_from == 0``); later
+            ones usually nothing, or one new block. Executors keep the table per row
+            (:class:`BlockTables`).
         num_scored: how many trailing positions of the span are scored (their logits go to
             the sampler): 1 when the span reaches the request's last known token, 0 for a
             prefill chunk that stops short of it.
-        new_row: first step on this row since it was assigned (per-row state starts here).
-        forks: parallel samples (n / best_of) that start at this entry's sample: each is
-            drawn from the same logits, independently, with its own parameters and
-            generator; the scheduler then gives each the request's KV blocks by reference.
+        setup: set on the first entry of a row (admission, resumption, or re-sent after a
+            failed step): the per-row state starts here.
+        forks: parallel samples that start at this entry's sample.
+        prompt_logprobs_from: for a request asking for prompt logprobs, the first position
+            whose next prompt token still needs scoring; -1 when none is asked for.
+        num_prompt_tokens: the request's prompt length (what is prefill, what decode).
     """
 
-    request: Request
+    request_id: str
     row: int
     start: int
     token_ids: tuple[int, ...]
-    block_table: tuple[int, ...]
+    blocks_from: int
+    blocks: tuple[int, ...]
     num_scored: int
-    new_row: bool = False
-    forks: tuple[Request, ...] = ()
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    setup: RowSetup | None = None
+    forks: tuple[Fork, ...] = ()
+    prompt_logprobs_from: int = -1
+    num_prompt_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -72,6 +112,17 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         return self.num_scored > 0
+
+    @property
+    def new_row(self) -> bool:
+        """First entry on this row: per-row state starts here (``setup`` is set)."""
+        return self.setup is not None
+
+    @property
+    def is_decode(self) -> bool:
+        """A one-token span past the prompt (the one place this is decided); everything
+        else is prefill: prompt chunks, and recomputation after preemption."""
+        return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
 
 
 @attrs.frozen
@@ -131,6 +182,46 @@ class ScheduledBatch:
         return len(self.entries)
 
 
+class BlockTables:
+    """The block table of every row, kept by an executor and updated from each batch.
+
+    ``tables[row, :lengths[row]]`` is the row's table. :meth:`apply` writes each entry's
+    change (``blocks_from``, ``blocks``); nothing else is rebuilt per step, so a decode
+    step that adds no block moves no table data at all.
+
+    Args:
+        num_rows: rows the scheduler may hand out (``max_num_seqs``).
+        max_blocks: the longest table a row can have (``ceil(max_model_len / block_size)``).
+    """
+
+    def __init__(self, num_rows: int, max_blocks: int) -> None:
+        self.tables = np.zeros((num_rows, max(max_blocks, 1)), dtype=np.int64)
+        self.lengths = np.zeros(num_rows, dtype=np.int64)
+
+    def apply(self, entries: Sequence[ScheduledRequest]) -> None:
+        tables, lengths = self.tables, self.lengths
+        for e in entries:
+            blocks = e.blocks
+            if blocks or e.blocks_from != lengths[e.row]:
+                end = e.blocks_from + len(blocks)
+                if end > tables.shape[1]:
+                    raise ValueError(
+                        f"request {e.request_id!r} has {end} KV blocks, more than the "
+                        f"{tables.shape[1]} a row holds (max_model_len / block_size)"
+                    )
+                tables[e.row, e.blocks_from : end] = blocks
+                lengths[e.row] = end
+
+    def release(self, rows: Sequence[int]) -> None:
+        self.lengths[list(rows)] = 0
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+
+    def table(self, row: int) -> tuple[int, ...]:
+        return tuple(self.tables[row, : self.lengths[row]].tolist())
+
+
 @attrs.frozen
 class BatchOutput:
     """What execution produced: per entry of the batch (same order), the new tokens.
@@ -167,3 +258,20 @@ class BatchOutput:
     @classmethod
     def empty(cls, num_entries: int = 0) -> BatchOutput:
         return cls(((),) * num_entries, ((),) * num_entries)
+
+    def check(self, batch: ScheduledBatch) -> None:
+        """Raise ``ValueError`` unless this answers ``batch``: one token list per entry, and
+        one sample per fork (checked before anything moves)."""
+        n = len(batch.entries)
+        if len(self.token_ids) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"executor returned {len(self.token_ids)} token lists and "
+                f"{len(self.logprobs)} logprob lists for {n} entries"
+            )
+        for i, entry in enumerate(batch.entries):
+            if entry.forks and (self.forks is None or len(self.forks[i]) != len(entry.forks)):
+                got = None if self.forks is None else len(self.forks[i])
+                raise ValueError(
+                    f"entry {entry.request_id!r} forks into {len(entry.forks)} parallel "
+                    f"samples but the executor returned {got} samples for them"
+                )

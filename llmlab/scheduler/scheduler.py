@@ -25,33 +25,38 @@ records a :class:`~llmlab.errors.ComponentError`, and the engine raises it after
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
 from llmlab.cache.kv_cache_manager import KVCacheManager
-from llmlab.errors import ComponentError, RequestFailedError
+from llmlab.errors import ComponentError
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler.batch import Admission, BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.batch import (
+    Admission,
+    Fork,
+    RowSetup,
+    ScheduledBatch,
+    ScheduledRequest,
+)
+from llmlab.scheduler.lifecycle import Lifecycle
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import (
     OrderPolicy,
     SchedulerView,
     SchedulingPolicy,
-    Served,
     as_policy,
     request_of,
     views,
 )
+from llmlab.scheduler.rows import Rows
 
 # What ``_call`` returns when the policy raised (None may be a legitimate answer).
 _FAILED = object()
 
 
 @attrs.define
-class Scheduler:
+class Scheduler(Lifecycle):
     """Continuous-batching scheduler (mechanism); decisions go to ``policy``.
 
     Attributes:
@@ -74,19 +79,18 @@ class Scheduler:
     # Waiting requests whose ``push`` raised: pushed again at the next step, never lost.
     _unqueued: list[Request] = attrs.field(init=False, factory=list)
     _driver: Any = attrs.field(init=False)
-    _free_rows: list[int] = attrs.field(init=False)  # a heap: lowest row first
-    _released_rows: list[int] = attrs.field(init=False, factory=list)
-    # Rows held for the parallel samples a running request will fork into (by request id).
-    _reserved_rows: dict[str, list[int]] = attrs.field(init=False, factory=dict)
-    # Requests forked into running whose first entry is still to come (new_row=True then).
-    _unstarted: set[int] = attrs.field(init=False, factory=set)
+    _rows: Rows = attrs.field(init=False)
+    # Running requests whose next entry re-sends their row's setup (after a failed step).
+    _resend: set[str] = attrs.field(init=False, factory=set)
+    # The requests of the last batch, by id (``update`` applies the output to them).
+    _scheduled: dict[str, Request] = attrs.field(init=False, factory=dict)
     _errors: list[Exception] = attrs.field(init=False, factory=list)
     _admitted: list[Admission] = attrs.field(init=False, factory=list)  # this step's
     _next_seq: int = attrs.field(init=False, default=0)
     _now: float = attrs.field(init=False, default=0.0)  # the last step's schedule time
 
     def __attrs_post_init__(self) -> None:
-        self._free_rows = list(range(self.max_num_seqs))
+        self._rows = Rows(self.max_num_seqs)
         self._driver = as_policy(self.policy)
         attach = self._optional("attach")
         if attach is not None:
@@ -136,6 +140,7 @@ class Scheduler:
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._admitted = []
+        self._scheduled = {}
 
         unscheduled = self._running_order(now)
         while unscheduled is not None and unscheduled and budget > 0:
@@ -151,7 +156,7 @@ class Scheduler:
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
             self._admit(entries, budget, preempted, now)
-        freed, self._released_rows = tuple(self._released_rows), []
+        freed = self._rows.drain_released()
         return ScheduledBatch(
             entries=tuple(entries),
             preempted=tuple(preempted),
@@ -221,7 +226,7 @@ class Scheduler:
         handed_back: list[Request] = []  # popped, not admitted: pushed back at the end
         admitted_now: set[int] = set()
         while budget > 0 and self._waiting:
-            if not self._free_rows and preempt_for is None:
+            if not self._rows.num_free and preempt_for is None:
                 break
             answer = self._call("pop", now)
             if answer is _FAILED:
@@ -290,7 +295,7 @@ class Scheduler:
                 return None, budget
             num_new = min(remaining, budget)
             allocated = False
-            if len(self._free_rows) >= rows_needed:
+            if self._rows.num_free >= rows_needed:
                 try:
                     allocated = self.kv.allocate(request, num_new, prefix)
                 except ComponentError as err:
@@ -298,7 +303,7 @@ class Scheduler:
                     return None, budget
             if allocated:
                 break
-            if len(self._free_rows) >= rows_needed and not self.running and not entries:
+            if self._rows.num_free >= rows_needed and not self.running and not entries:
                 # Nothing holds blocks, so the whole pool was on offer: it never fits.
                 self._fail(request, self._too_big(request, num_cached + num_new))
                 return False, budget
@@ -314,7 +319,7 @@ class Scheduler:
                 self._bad_answer("preempt_for", answer, "one of the running candidates or None")
                 return None, budget
             for i, entry in enumerate(entries):
-                if entry.request is victim:
+                if entry.request_id == victim.request_id:
                     del entries[i]
                     budget += entry.num_new_tokens
                     break
@@ -333,203 +338,55 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
-        request.row = heapq.heappop(self._free_rows)
+        request.row = self._rows.take()
         if request.forks:  # rows for its parallel samples, taken when they fork
-            self._reserved_rows[request.request_id] = [
-                heapq.heappop(self._free_rows) for _ in request.forks
-            ]
+            self._rows.reserve(request.request_id, len(request.forks))
         del self._waiting[request.request_id]
         self.running.append(request)
         entries.append(self._entry(request, num_new, new_row=True))
         return True, budget - num_new
 
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
+        """The request's share of the step, as plain data (see :mod:`.batch`)."""
+        rid = request.request_id
+        self._scheduled[rid] = request
         start = request.num_computed_tokens
         end = start + num_new
         scored = end == request.num_tokens
-        if self._unstarted and id(request) in self._unstarted:
-            self._unstarted.discard(id(request))
-            new_row = True
+        setup = None
+        if new_row or (self._resend and rid in self._resend):
+            self._resend.discard(rid)
+            setup = RowSetup(
+                request.sampling_params,
+                tuple(request.prompt_token_ids),
+                tuple(request.output_token_ids),
+                request.eos_token_ids,
+            )
+        blocks_from, blocks = self.kv.table_delta(rid, whole=setup is not None)
+        forks = ()
+        if scored and request.forks:
+            rows = self._rows.reserved(rid)
+            forks = tuple(
+                Fork(f.request_id, row, f.sampling_params)
+                for f, row in zip(request.forks, rows, strict=True)
+            )
+            for f in request.forks:
+                self._scheduled[f.request_id] = f
         return ScheduledRequest(
-            request=request,
+            request_id=rid,
             row=request.row,
             start=start,
             token_ids=tuple(request.all_token_ids[start:end]),
-            block_table=self.kv.block_table(request.request_id),
+            blocks_from=blocks_from,
+            blocks=blocks,
             num_scored=1 if scored else 0,
-            new_row=new_row,
-            forks=tuple(request.forks) if scored else (),
+            setup=setup,
+            forks=forks,
+            prompt_logprobs_from=(
+                len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1
+            ),
+            num_prompt_tokens=len(request.prompt_token_ids),
         )
-
-    def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
-        """Advance the batch's requests; append their new tokens; return those that finished.
-
-        Tokens of an entry are appended in order until one ends the request; the rest are
-        dropped (so a verifier or a multi-token step can overshoot safely). Then the policy
-        hears what each request was served (``on_step``) and which finished (``remove``).
-        """
-        _check_output(batch, output)
-        on_step = self._optional("on_step")
-        served: list[Served] = []
-        finished = []
-        for i, (entry, token_ids, logprobs) in enumerate(
-            zip(batch.entries, output.token_ids, output.logprobs)
-        ):
-            request = entry.request
-            if request.is_finished:  # aborted while the step ran
-                continue
-            end = entry.start + len(entry.token_ids)
-            request.num_computed_tokens = end
-            prompt_end = min(end, request.num_prompt_tokens)
-            new_prompt = max(0, prompt_end - max(entry.start, request.num_prompt_computed))
-            request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
-            self.kv.cache_computed_blocks(request)
-            if output.prompt_logprobs is not None and output.prompt_logprobs[i]:
-                request.add_prompt_logprobs(
-                    output.prompt_logprobs_start[i], output.prompt_logprobs[i]
-                )
-            if entry.forks and request.forks:
-                # Before the request's own token: a request that finishes now frees its
-                # blocks, and the forks take them by reference first.
-                for member in self._fan_out(request, output.forks[i]):
-                    if on_step is not None:
-                        served.append(Served(member.view, 0, 0, 1))
-                    if member.is_finished:
-                        finished.append(member)
-            tops = output.top_logprobs[i] if output.top_logprobs is not None else None
-            num_generated = 0
-            for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
-                request.append_output(token_id, logprob, tops[j] if tops else None)
-                num_generated += 1
-                status = self._stop_status(request, token_id)
-                if status is not None:
-                    self._finish(request, status)
-                    finished.append(request)
-                    break
-            if on_step is not None:
-                served.append(Served(request.view, len(entry.token_ids), new_prompt, num_generated))
-        if on_step is not None and served:
-            self._call("on_step", tuple(served), self._now)
-        for request in finished:
-            self._forget(request)
-        return finished
-
-    def _fan_out(self, leader: Request, samples) -> list[Request]:
-        """Start the leader's parallel samples: each takes the leader's KV blocks by
-        reference (the partly filled last block is copied when first written), a reserved
-        row, and its own first token."""
-        members, leader.forks = leader.forks, []
-        rows = self._reserved_rows.pop(leader.request_id)
-        for member, row, (token_id, logprob, top) in zip(members, rows, samples, strict=True):
-            self.kv.fork(leader, member)
-            member.num_computed_tokens = leader.num_computed_tokens
-            member.num_prompt_computed = leader.num_prompt_computed
-            member.num_cached_tokens = leader.num_cached_tokens
-            member.status = RequestStatus.RUNNING
-            member.row = row
-            member.seq = self._next_seq
-            self._next_seq += 1
-            self.running.append(member)
-            self._unstarted.add(id(member))
-            member.append_output(token_id, logprob, top)
-            status = self._stop_status(member, token_id)
-            if status is not None:
-                self._finish(member, status)  # the caller reports it and tells the policy
-        return members
-
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a running request for a reason decided above the scheduler (a stop string
-        matched in its text): frees its blocks and row, and tells the policy."""
-        if request.is_finished or request not in self.running:
-            return
-        self._finish(request, status)
-        self._forget(request)
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in request.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    # -- lifecycle transitions ---------------------------------------------------------
-
-    def _release_row(self, request: Request) -> None:
-        if request.row is not None:
-            heapq.heappush(self._free_rows, request.row)
-            self._released_rows.append(request.row)
-            request.row = None
-        # Rows held for forks that never happened were never used by any executor.
-        for row in self._reserved_rows.pop(request.request_id, ()):
-            heapq.heappush(self._free_rows, row)
-        self._unstarted.discard(id(request))
-
-    def _free_blocks(self, request: Request) -> None:
-        try:
-            self.kv.free(request)
-        except ComponentError as err:  # the pool is consistent; report after the step
-            self._errors.append(err)
-
-    def _preempt(self, request: Request, now: float) -> None:
-        self.running.remove(request)
-        self._release_row(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self._free_blocks(request)
-        self._waiting[request.request_id] = request
-        self._push(request, now)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.running.remove(request)
-        self._release_row(request)
-        request.status = status
-        self._free_blocks(request)
-
-    def _fail(self, request: Request, reason: str) -> None:
-        """End a request that can never be scheduled (aborted, with ``error`` set)."""
-        if request in self.running:
-            self.running.remove(request)
-        self._waiting.pop(request.request_id, None)
-        self._release_row(request)
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.error = reason
-        self._free_blocks(request)
-        self._errors.append(RequestFailedError(request.request_id, reason))
-        self._forget(request)
-
-    def _too_big(self, request: Request, num_tokens: int) -> str:
-        needed = self.kv.blocks_needed(num_tokens)
-        return (
-            f"request {request.request_id!r} can never be scheduled: {num_tokens} tokens need "
-            f"{needed} KV blocks of {self.kv.block_size} tokens, but the cache has "
-            f"{self.kv.num_blocks} blocks; it was aborted"
-        )
-
-    def abort(self, request_ids: Iterable[str]) -> list[Request]:
-        """Remove the given requests wherever they are; frees their blocks and rows."""
-        ids = set(request_ids)
-        aborted = [self._waiting.pop(i) for i in ids if i in self._waiting]
-        hits = [r for r in self.running if r.request_id in ids]
-        if hits:
-            gone = {id(r) for r in hits}
-            self.running = [r for r in self.running if id(r) not in gone]
-            aborted.extend(hits)
-        for request in aborted:
-            self._release_row(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._free_blocks(request)
-            if request in self._unqueued:
-                self._unqueued.remove(request)
-            self._forget(request)
-        return aborted
 
     # -- user policy calls -------------------------------------------------------------
 
@@ -565,21 +422,3 @@ class Scheduler:
             )
         )
 
-
-def _check_output(batch: ScheduledBatch, output: BatchOutput) -> None:
-    """An executor's answer must cover the batch, forks included, before anything moves."""
-    n = len(batch.entries)
-    if len(output.token_ids) != n or len(output.logprobs) != n:
-        raise ValueError(
-            f"executor returned {len(output.token_ids)} token lists and "
-            f"{len(output.logprobs)} logprob lists for {n} entries"
-        )
-    for i, entry in enumerate(batch.entries):
-        if entry.forks and (
-            output.forks is None or len(output.forks[i]) != len(entry.forks)
-        ):
-            got = None if output.forks is None else len(output.forks[i])
-            raise ValueError(
-                f"entry {entry.request_id!r} forks into {len(entry.forks)} parallel samples "
-                f"but the executor returned {got} samples for them"
-            )

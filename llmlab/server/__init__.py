@@ -1,3 +1,7 @@
-"""Front ends: the OpenAI-compatible HTTP server (``app.py`` routes, ``serving.py``,
-``protocol.py``, ``metrics.py``), the command line (``cli.py``: ``llmlab generate``,
-``serve``, ``bench serve``, ``components``) and the load-test client (``bench.py``)."""
+"""The OpenAI-compatible HTTP server that ``llmlab serve`` runs: ``app.py`` (the FastAPI app,
+its routes, errors and API key), ``serving.py`` (:class:`OpenAIServing`: requests into the
+engine), ``responses.py`` and ``logprobs.py`` (engine outputs into responses and SSE
+streams), ``request_params.py`` (request fields as engine arguments), ``errors.py``
+(:class:`APIError`), ``protocol.py`` (the pydantic request and response models) and
+``metrics.py`` (Prometheus metrics from the engine's step events). The command line is
+``llmlab/cli.py``; the load-test client is ``llmlab/loadtest/``."""

@@ -9,6 +9,11 @@ Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400
 input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
 without the API key on ``/v1`` routes, 404 for an unknown model or route, 503 while the
 engine cannot serve, 500 only for a bug. A client that disconnects has its requests aborted.
+
+Each route is a module-level function on ``v1`` (the ``/v1`` routes, behind the API key) or
+``router`` (the rest), and reaches the app's :class:`OpenAIServing` through the ``Serving``
+dependency (``request.app.state.serving``). A new endpoint is one route function here, one
+``OpenAIServing`` method and its request/response models in ``protocol.py``.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route functions'
@@ -19,7 +24,7 @@ import contextlib
 import hmac
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +37,9 @@ import llmlab
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
+from llmlab.server.errors import APIError, ClientDisconnected, bad_request
 from llmlab.server.metrics import EngineMetrics
-from llmlab.server.serving import APIError, ClientDisconnected, OpenAIServing, bad_request
+from llmlab.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -87,27 +93,10 @@ def build_app(
     app.state.metrics = metrics
     app.state.engine = engine
 
-    def error_response(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, err: APIError):
-        return error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, err: RequestValidationError):
-        return error_response(_validation_api_error(err))
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request, err: HTTPException):
-        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        return error_response(APIError(str(err.detail), status=err.status_code, type=kind))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request, err: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError(f"internal error: {type(err).__name__}", status=500,
-                                       type="server_error"))
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
 
     if allowed_origins:
         app.add_middleware(
@@ -119,88 +108,141 @@ def build_app(
 
     # Declares the bearer scheme in /openapi.json; the middleware above enforces it (before
     # the body is even read, so a bad key is a 401 whatever the body holds).
-    bearer = HTTPBearer(auto_error=False)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer)] if api_key else [])
-
-    async def run(coro):
-        try:
-            return await coro
-        except (ValueError, TypeError) as err:
-            raise bad_request(err) from err
-        except RequestFailedError as err:
-            raise APIError(str(err)) from err
-        except (EngineError, EngineDeadError) as err:
-            raise APIError(str(err), status=503, type="server_error") from err
-
-    def respond(result):
-        if isinstance(result, p.BaseModel):
-            return result
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    def watcher(request: Request):
-        async def disconnected():
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-        return disconnected
-
-    stream_200 = {200: {"content": {"text/event-stream": {}},
-                        "description": "JSON, or server-sent events with stream=true"}}
-
-    @v1.get("/models", response_model=p.ModelList, responses=_ERRORS)
-    async def list_models():
-        return serving.models()
-
-    @v1.post("/completions", response_model=p.CompletionResponse,
-             responses={**_ERRORS, **stream_200})
-    async def completions(body: p.CompletionRequest, request: Request):
-        try:
-            return respond(await run(serving.completions(body, watcher(request))))
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
-             responses={**_ERRORS, **stream_200})
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        try:
-            return respond(await run(serving.chat(body, watcher(request))))
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    app.include_router(v1)
-
-    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_PLAIN_ERRORS)
-    async def tokenize(body: p.TokenizeRequest):
-        return await run(asyncio.to_thread(serving.tokenize, body))
-
-    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_PLAIN_ERRORS)
-    async def detokenize(body: p.DetokenizeRequest):
-        return await run(asyncio.to_thread(serving.detokenize, body))
-
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
-    async def health():
-        try:
-            await engine.check_health()
-        except (EngineError, EngineDeadError) as err:
-            raise APIError(str(err), status=503, type="server_error") from err
-        return Response(status_code=200)
-
-    @app.get("/version", response_model=p.VersionResponse)
-    async def version():
-        return p.VersionResponse(version=llmlab.__version__)
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text format"}})
-    async def prometheus_metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(v1, dependencies=[Depends(_bearer)] if api_key else [])
+    app.include_router(router)
     _truthful_openapi(app)
     return app
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _api_error(request: Request, err: APIError):
+    return _error_response(err)
+
+
+async def _validation_error(request: Request, err: RequestValidationError):
+    return _error_response(_validation_api_error(err))
+
+
+async def _http_error(request: Request, err: HTTPException):
+    kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+    return _error_response(APIError(str(err.detail), status=err.status_code, type=kind))
+
+
+async def _internal_error(request: Request, err: Exception):
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error_response(APIError(f"internal error: {type(err).__name__}", status=500,
+                                    type="server_error"))
+
+
+# -- routes: one function each; the serving object comes from app.state -------------------
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+Serving = Annotated[OpenAIServing, Depends(_serving)]
+
+# The /v1 routes; build_app adds the API key's bearer scheme to them when it has a key.
+v1 = APIRouter(prefix="/v1")
+# The routes outside /v1 (no API key).
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False)
+_STREAM_200 = {200: {"content": {"text/event-stream": {}},
+                     "description": "JSON, or server-sent events with stream=true"}}
+
+
+async def _run(coro):
+    """Await a serving call, its errors as API errors."""
+    try:
+        return await coro
+    except (ValueError, TypeError) as err:
+        raise bad_request(err) from err
+    except RequestFailedError as err:
+        raise APIError(str(err)) from err
+    except (EngineError, EngineDeadError) as err:
+        raise APIError(str(err), status=503, type="server_error") from err
+
+
+def _respond(result):
+    if isinstance(result, p.BaseModel):
+        return result
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _watcher(request: Request):
+    async def disconnected():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    return disconnected
+
+
+@v1.get("/models", response_model=p.ModelList, responses=_ERRORS)
+async def list_models(serving: Serving):
+    return serving.models()
+
+
+@v1.post("/completions", response_model=p.CompletionResponse,
+         responses={**_ERRORS, **_STREAM_200})
+async def completions(body: p.CompletionRequest, request: Request, serving: Serving):
+    try:
+        return _respond(await _run(serving.completions(body, _watcher(request))))
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
+         responses={**_ERRORS, **_STREAM_200})
+async def chat_completions(body: p.ChatCompletionRequest, request: Request, serving: Serving):
+    try:
+        return _respond(await _run(serving.chat(body, _watcher(request))))
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@router.post("/tokenize", response_model=p.TokenizeResponse, responses=_PLAIN_ERRORS)
+async def tokenize(body: p.TokenizeRequest, serving: Serving):
+    return await _run(asyncio.to_thread(serving.tokenize, body))
+
+
+@router.post("/detokenize", response_model=p.DetokenizeResponse, responses=_PLAIN_ERRORS)
+async def detokenize(body: p.DetokenizeRequest, serving: Serving):
+    return await _run(asyncio.to_thread(serving.detokenize, body))
+
+
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
+async def health(request: Request):
+    try:
+        await request.app.state.engine.check_health()
+    except (EngineError, EngineDeadError) as err:
+        raise APIError(str(err), status=503, type="server_error") from err
+    return Response(status_code=200)
+
+
+@router.get("/version", response_model=p.VersionResponse)
+async def version():
+    return p.VersionResponse(version=llmlab.__version__)
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format"}})
+async def prometheus_metrics(request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- helpers ------------------------------------------------------------------------------
 
 
 def _validation_api_error(err) -> APIError:

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from llmlab.attention import cpu_kernels
 from llmlab.attention.triton_backend import triton_unavailable_reason
+from llmlab.kernels import cpu_kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

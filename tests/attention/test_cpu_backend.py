@@ -11,8 +11,8 @@ import attrs
 import pytest
 import torch
 
-from llmlab.attention import cpu_kernels
 from llmlab.attention.cpu_backend import CpuPagedAttention, from_slot_rows, slot_rows
+from llmlab.kernels import cpu_kernels
 from tests.attention.paged_batch import random_paged_batch, reference_attention, rel_err
 
 pytestmark = pytest.mark.skipif(
@@ -107,8 +107,10 @@ def test_copy_blocks_copies_whole_blocks_of_keys_and_values():
     before = [c.clone() for c in caches]
     backend.copy_blocks(caches, [(1, 4), (5, 0)], block_size=4)
     for cache, old in zip(caches, before, strict=True):
-        assert torch.equal(cache[:, :, 4], old[:, :, 1]) and torch.equal(cache[:, :, 0], old[:, :, 5])
-        assert torch.equal(cache[:, :, 1:4], old[:, :, 1:4]) and torch.equal(cache[:, :, 5], old[:, :, 5])
+        assert torch.equal(cache[:, :, 4], old[:, :, 1])
+        assert torch.equal(cache[:, :, 0], old[:, :, 5])
+        assert torch.equal(cache[:, :, 1:4], old[:, :, 1:4])
+        assert torch.equal(cache[:, :, 5], old[:, :, 5])
         # In slot terms: block 4's tokens are block 1's (keys transposed within a block).
         rows, old_rows = slot_rows(cache, 4), slot_rows(old, 4)
         assert torch.equal(rows[:, :, 16:20], old_rows[:, :, 4:8])

@@ -20,8 +20,8 @@ from llmlab.attention import (
     CpuPagedAttention,
     TorchPagedAttention,
     auto_backend,
-    cpu_kernels,
 )
+from llmlab.kernels import cpu_kernels
 from tests.helpers import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def test_installs_without_a_compiler(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = tmp_path.glob("llmlab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "llmlab/csrc/cpu_kernels.cpp" in names  # so a later first use can build them
+    assert "llmlab/kernels/csrc/cpu_kernels.cpp" in names  # so a later first use can build them
     assert not any(n.startswith("llmlab/_cpu_kernels") for n in names)
 
 

@@ -21,7 +21,7 @@ from tests.helpers import subprocess_env
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from llmlab.attention.triton_kernels import compile_for_target
+    from llmlab.kernels.triton_kernels import compile_for_target
 
     def attention_sig(dt):
         ptrs = ["q_ptr", "out_ptr", "cache_ptr"]

@@ -46,7 +46,7 @@ def _batch(specs, **kwargs):
 
 
 def _run_triton(backend, inputs, q, k, v, cache, *, scale, sliding_window):
-    from llmlab.attention.triton_kernels import write_kv
+    from llmlab.kernels.triton_kernels import write_kv
 
     write_kv(k, v, cache, inputs.slot_mapping)
     metadata = backend.build_metadata(inputs)
@@ -133,7 +133,7 @@ def test_tensor_core_path_within_16_bit_rounding(dtype):
 def test_write_kv_skips_negative_slots_and_casts():
     """float32 K/V into a float16 cache. (Not bfloat16: Triton's interpreter truncates
     float32 -> bfloat16 where torch and the GPU round to nearest.)"""
-    from llmlab.attention.triton_kernels import write_kv
+    from llmlab.kernels.triton_kernels import write_kv
 
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(6, 3, 64, generator=gen)

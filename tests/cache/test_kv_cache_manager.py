@@ -24,11 +24,11 @@ def test_allocation_rounds_up_to_blocks_and_free_returns_them():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     r = make_request(range(9))
     admit(kv, r)
-    assert len(kv.block_ids(r.request_id)) == 3
+    assert len(list(kv.block_table(r.request_id))) == 3
     assert kv.num_free_blocks == 7
     kv.free(r)
     assert kv.num_free_blocks == 10
-    assert kv.block_ids(r.request_id) == []
+    assert list(kv.block_table(r.request_id)) == []
 
 
 def test_allocate_is_all_or_nothing():
@@ -39,7 +39,7 @@ def test_allocate_is_all_or_nothing():
     b = make_request(range(100, 109))
     assert not kv.allocate(b, 9)
     assert kv.snapshot() == before
-    assert kv.drain_events().allocated == tuple(kv.block_ids(a.request_id))
+    assert kv.drain_events().allocated == tuple(list(kv.block_table(a.request_id)))
 
 
 def test_shared_prefix_hits_full_blocks_only_and_shares_them():
@@ -48,10 +48,10 @@ def test_shared_prefix_hits_full_blocks_only_and_shares_them():
     admit(kv, a)
     b = make_request(list(range(10)) + [99, 98])
     hits = admit(kv, b)
-    assert hits == kv.block_ids(a.request_id)[:2]
-    assert kv.block_ids(b.request_id)[:2] == kv.block_ids(a.request_id)[:2]
-    assert kv.drain_events().prefix_hits == tuple(kv.block_ids(a.request_id)[:2])
-    assert [kv.pool.ref_counts[i] for i in kv.block_ids(a.request_id)[:2]] == [2, 2]
+    assert hits == list(kv.block_table(a.request_id))[:2]
+    assert list(kv.block_table(b.request_id))[:2] == list(kv.block_table(a.request_id))[:2]
+    assert kv.drain_events().prefix_hits == tuple(list(kv.block_table(a.request_id))[:2])
+    assert [kv.pool.ref_counts[i] for i in list(kv.block_table(a.request_id))[:2]] == [2, 2]
 
 
 def test_prefix_lookup_never_covers_the_last_token():
@@ -66,7 +66,7 @@ def test_hash_collision_is_caught_by_token_check():
     kv = KVCacheManager(num_blocks=20, block_size=4)
     a = make_request(range(9))
     admit(kv, a)
-    victim = kv.block_ids(a.request_id)[0]
+    victim = list(kv.block_table(a.request_id))[0]
     # Same hash, different content: must not hit.
     kv.index._entry_of_block[victim] = (kv.index.hash_of(victim), (7, 7, 7, 7))
     b = make_request(range(9))
@@ -92,7 +92,7 @@ def test_lru_evicts_tail_of_chain_first():
     kv = KVCacheManager(num_blocks=4, block_size=2, eviction=LRUEviction())
     a = make_request(range(7))  # 3 full blocks cached + 1 partial
     admit(kv, a)
-    chain = kv.block_ids(a.request_id)
+    chain = list(kv.block_table(a.request_id))
     kv.free(a)
     kv.drain_events()
     b = make_request([90, 91])  # one empty block, then one eviction
@@ -181,7 +181,7 @@ def test_prefix_blocks_are_only_for_a_request_holding_nothing():
     a = make_request(range(5))
     admit(kv, a)
     with pytest.raises(ValueError, match="already holds 3 blocks"):
-        kv.allocate(a, 1, kv.block_ids(a.request_id)[:1])
+        kv.allocate(a, 1, list(kv.block_table(a.request_id))[:1])
 
 
 # -- a randomized soak that also tracks what each KV slot holds -------------------------
@@ -205,7 +205,7 @@ class Simulator:
         start = r.num_computed_tokens
         for src, dst in self.kv.take_block_copies():
             self.slots[dst] = list(self.slots[src])
-        bs, table = self.kv.block_size, self.kv.block_ids(r.request_id)
+        bs, table = self.kv.block_size, list(self.kv.block_table(r.request_id))
         for p in range(start, start + num_tokens):
             self.slots.setdefault(table[p // bs], [None] * bs)[p % bs] = r.all_token_ids[p]
         r.num_computed_tokens = start + num_tokens
@@ -254,7 +254,7 @@ class Simulator:
         self.kv.check()
         bs = self.kv.block_size
         for r in self.running:
-            table = self.kv.block_ids(r.request_id)
+            table = list(self.kv.block_table(r.request_id))
             assert len(table) == self.kv.blocks_needed(r.num_computed_tokens)
             held = [self.slots[table[p // bs]][p % bs] for p in range(r.num_computed_tokens)]
             assert held == r.all_token_ids[: r.num_computed_tokens], r.request_id
@@ -265,7 +265,7 @@ def run_soak(policy, block_size, num_ops=400):
     sim = Simulator(kv, random.Random(block_size))
     for _ in range(num_ops):
         op = sim.rng.random()
-        running = [r for r in sim.running if sim.kv.block_ids(r.request_id)]
+        running = [r for r in sim.running if list(sim.kv.block_table(r.request_id))]
         if op < 0.3 or not running:
             sim.admit()
         elif op < 0.6:
@@ -304,16 +304,16 @@ def test_truncate_releases_tail_blocks_tail_first_and_trims_hashes():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request(range(13))
     admit(kv, a)
-    table = kv.block_ids(a.request_id)
+    table = list(kv.block_table(a.request_id))
     kv.drain_events()
     kv.truncate(a, 4)
-    assert kv.block_ids(a.request_id) == table[:1]
+    assert list(kv.block_table(a.request_id)) == table[:1]
     assert kv.drain_events().freed == (table[3], table[2], table[1])
     assert len(a.block_hashes) == 1
     assert kv.num_free_blocks == 7
     kv.check()
     kv.truncate(a, 0)
-    assert kv.block_ids(a.request_id) == [] and a.block_hashes == []
+    assert list(kv.block_table(a.request_id)) == [] and a.block_hashes == []
     assert kv.num_free_blocks == 8
     kv.check()
 
@@ -322,7 +322,7 @@ def test_truncate_into_a_private_cached_block_takes_it_out_of_the_index():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request(range(9))
     admit(kv, a)
-    second = kv.block_ids(a.request_id)[1]
+    second = list(kv.block_table(a.request_id))[1]
     assert len(kv.lookup_prefix(make_request(range(9)))) == 2
     kv.truncate(a, 6)  # block 1 keeps tokens 4, 5; its tail will be overwritten
     assert kv.drain_events().evicted == (second,)
@@ -339,16 +339,16 @@ def test_truncate_into_a_shared_block_copies_it_on_the_next_write():
     a, b = make_request(range(9)), make_request(range(9))
     admit(kv, a)
     admit(kv, b)  # shares a's two full blocks
-    shared = kv.block_ids(a.request_id)[1]
+    shared = list(kv.block_table(a.request_id))[1]
     kv.truncate(b, 6)
     assert kv.pool.cached[shared]  # a still relies on it
     b.all_token_ids[6:] = [60, 61]
     b.num_computed_tokens = 6
     kv.drain_events()
     assert kv.allocate(b, 2)
-    fresh = kv.block_ids(b.request_id)[1]
+    fresh = list(kv.block_table(b.request_id))[1]
     assert kv.take_block_copies() == [(shared, fresh)]
-    assert kv.pool.ref_counts[shared] == 1 and kv.block_ids(a.request_id)[1] == shared
+    assert kv.pool.ref_counts[shared] == 1 and list(kv.block_table(a.request_id))[1] == shared
     assert len(kv.lookup_prefix(make_request(range(9)))) == 2
     kv.check()
 
@@ -358,7 +358,7 @@ def test_a_write_into_a_cached_block_left_private_by_its_other_holder_unindexes_
     a, b = make_request(range(9)), make_request(range(9))
     admit(kv, a)
     admit(kv, b)
-    shared = kv.block_ids(a.request_id)[1]
+    shared = list(kv.block_table(a.request_id))[1]
     kv.truncate(b, 6)  # shared then: stays indexed
     kv.free(a)  # now b alone holds it, still indexed
     b.all_token_ids[6:] = [60, 61]
@@ -378,8 +378,8 @@ def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
     child = make_request(range(6))
     kv.fork(parent, child)
     child.num_computed_tokens = 6
-    table = kv.block_ids(parent.request_id)
-    assert kv.block_ids(child.request_id) == table
+    table = list(kv.block_table(parent.request_id))
+    assert list(kv.block_table(child.request_id)) == table
     assert list(kv.pool.ref_counts[table]) == [2, 2]
     assert (
         child.block_hashes == parent.block_hashes and child.block_hashes is not parent.block_hashes
@@ -388,14 +388,14 @@ def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
 
     parent.append_output(50, 0.0)
     assert kv.allocate(parent, 1)
-    fresh = kv.block_ids(parent.request_id)[1]
+    fresh = list(kv.block_table(parent.request_id))[1]
     assert kv.take_block_copies() == [(table[1], fresh)]
     assert kv.take_block_copies() == []
-    assert kv.block_ids(child.request_id) == table
+    assert list(kv.block_table(child.request_id)) == table
     child.append_output(70, 0.0)
     assert kv.allocate(child, 1)
     assert kv.take_block_copies() == []  # the child is the last holder: writes in place
-    assert kv.block_ids(child.request_id) == table
+    assert list(kv.block_table(child.request_id)) == table
     kv.check()
     kv.free(parent)
     kv.free(child)
@@ -414,8 +414,8 @@ def test_fork_after_a_full_block_needs_no_copy():
         r.append_output(9, 0.0)
         assert kv.allocate(r, 1)
     assert kv.take_block_copies() == []
-    assert kv.block_ids(parent.request_id)[:2] == kv.block_ids(child.request_id)[:2]
-    assert kv.block_ids(parent.request_id)[2] != kv.block_ids(child.request_id)[2]
+    assert list(kv.block_table(parent.request_id))[:2] == list(kv.block_table(child.request_id))[:2]
+    assert list(kv.block_table(parent.request_id))[2] != list(kv.block_table(child.request_id))[2]
     kv.check()
 
 
@@ -497,7 +497,7 @@ def test_failing_evict_after_a_prefix_hit_gives_the_hit_back():
     assert len(prefix) == 2
     with pytest.raises(ComponentError, match=r"failed in evict\(\)"):
         kv.allocate(b, 3, prefix)
-    assert kv.block_ids(b.request_id) == []
+    assert list(kv.block_table(b.request_id)) == []
     assert not kv.pool.ref_counts[prefix].any() and kv.pool.cached[prefix].all()
     assert kv.lookup_prefix(b) == prefix
     assert kv.drain_events().prefix_hits == ()
@@ -519,11 +519,11 @@ def test_failing_on_free_still_frees_everything_as_empty():
     kv = KVCacheManager(num_blocks=4, block_size=2, eviction=FaultyEviction("on_free"))
     a = make_request(range(5))
     admit(kv, a)
-    table = kv.block_ids(a.request_id)
+    table = list(kv.block_table(a.request_id))
     kv.drain_events()
     with pytest.raises(ComponentError, match=r"'faulty' \(FaultyEviction\) failed in on_free\(\)"):
         kv.free(a)
-    assert kv.block_ids(a.request_id) == []
+    assert list(kv.block_table(a.request_id)) == []
     events = kv.drain_events()
     assert events.freed == tuple(table[::-1])
     assert events.evicted == (table[1], table[0])  # the cached ones lost their content

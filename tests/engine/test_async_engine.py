@@ -143,8 +143,9 @@ def test_a_request_the_engine_fails_ends_its_stream_with_the_reason(engine):
 
         def execute(self, batch):
             for entry in batch.entries:
-                if entry.request_id == "big" and not entry.request.is_finished:
-                    scheduler._fail(entry.request, "request 'big' can never be scheduled")
+                request = engine.engine._requests.get(entry.request_id)
+                if entry.request_id == "big" and not request.is_finished:
+                    scheduler._fail(request, "request 'big' can never be scheduled")
             return inner.execute(batch)
 
     engine.engine.executor = FailsBig()

@@ -52,7 +52,7 @@ def test_bf16_on_cpu_agrees_with_hf_float32(tiny_model_factory, arch):
 
 
 def test_bf16_on_cpu_agrees_with_hf_on_the_trained_builtin_model():
-    from llmlab.models import ensure_builtin_model
+    from llmlab.builtin import ensure_builtin_model
 
     path = str(ensure_builtin_model())
     from transformers import AutoTokenizer

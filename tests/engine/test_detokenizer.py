@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
-from llmlab.models.tiny import _build_tokenizer
 from llmlab.sampling.params import SamplingParams
+from llmlab.testing.tiny import _build_tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -406,7 +406,7 @@ def _sentencepiece_style_tokenizer():
     that strips the leading space of the text (so a lone first token loses its space)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    from llmlab.models.tiny_corpus import corpus_lines
+    from llmlab.testing.tiny_corpus import corpus_lines
 
     backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     backend.normalizer = normalizers.Sequence(

@@ -30,6 +30,11 @@ class CostModelExecutor:
             # A row is either new (and unused) or continuing (and live): never guessed.
             assert (entry.row in self.live_rows) != entry.new_row
             self.live_rows.add(entry.row)
+        for entry in batch.entries:
+            # A parallel sample's row starts with its leader's sample (its state from then).
+            for fork in entry.forks:
+                assert fork.row not in self.live_rows
+                self.live_rows.add(fork.row)
         self.clock.advance(self.fixed_s + self.per_token_s * batch.num_batched_tokens)
         return BatchOutput.from_lists(
             [[(e.token_ids[-1] + 1) % 100] * e.num_scored for e in batch.entries],

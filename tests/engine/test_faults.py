@@ -268,7 +268,7 @@ def test_a_request_that_can_never_fit_fails_clearly_instead_of_spinning():
     sched.add(small)
     batch = sched.schedule(now=0.0)
     errors = sched.take_errors()
-    assert [e.request for e in batch.entries] == [small]
+    assert [e.request_id for e in batch.entries] == [small.request_id]
     assert big.finish_reason == "abort" and "can never be scheduled" in big.error
     assert len(errors) == 1 and "40 tokens need 10 KV blocks" in str(errors[0])
     assert "has 4 blocks" in str(errors[0])

@@ -136,7 +136,7 @@ VECTOR_PATH_MODELS = {
 
 @pytest.fixture(scope="module")
 def vector_path_reference(tmp_path_factory):
-    from llmlab.models import build_tiny_model
+    from llmlab.testing import build_tiny_model
 
     cache = {}
 

@@ -292,7 +292,7 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop():
-    from llmlab.models import ensure_builtin_model
+    from llmlab.builtin import ensure_builtin_model
 
     llm = LLM(str(ensure_builtin_model()), dtype="float32")
     text = llm.generate("Once upon a time", SamplingParams(max_tokens=6, temperature=0),

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from llmlab import LLM, Policy, SamplingParams, register
-from llmlab.server.cli import main as cli_main
+from llmlab.cli import main as cli_main
 from tests.helpers import builtin_names
 
 SCHEDULING = builtin_names("scheduling_policy")
@@ -100,7 +100,9 @@ class MostRecentlyFreed:
         return [self.stack.popitem()[0] for _ in range(n)]
 
 
-def test_inline_policies_run_by_name_through_llm_and_the_cli(tiny_llama, workload, reference, capsys):
+def test_inline_policies_run_by_name_through_llm_and_the_cli(
+    tiny_llama, workload, reference, capsys
+):
     llm, got, events = run(
         tiny_llama, workload, scheduling_policy="test_longest_prompt_first",
         eviction_policy="test_mru", block_size=4, max_model_len=128,
@@ -122,7 +124,9 @@ def test_inline_policies_run_by_name_through_llm_and_the_cli(tiny_llama, workloa
 
 
 def test_unknown_policy_names_list_the_available_ones(tiny_llama):
-    with pytest.raises(ValueError, match="unknown scheduling_policy 'lifo'; available: fcfs, priority"):
+    with pytest.raises(
+        ValueError, match="unknown scheduling_policy 'lifo'; available: fcfs, priority"
+    ):
         LLM(tiny_llama, scheduling_policy="lifo")
     with pytest.raises(ValueError, match="unknown eviction_policy 'lifo'; available: lru, fifo"):
         LLM(tiny_llama, eviction_policy="lifo")

@@ -14,7 +14,8 @@ from llmlab.attention import (
     TorchPagedAttention,
     block_table_tensor,
 )
-from llmlab.models import KVLayout, build_tiny_model
+from llmlab.models import KVLayout
+from llmlab.testing import build_tiny_model
 
 # (test id, architecture, config overrides). Defaults already exercise each family's
 # quirks; the extra variants cover switches the defaults leave off.

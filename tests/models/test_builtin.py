@@ -11,10 +11,10 @@ import torch
 import transformers
 
 from llmlab import LLM, SamplingParams
+from llmlab.builtin import builtin_model_path
+from llmlab.builtin.stories import stories, vocabulary, words
+from llmlab.builtin.train import story_perplexity
 from llmlab.models import load_tokenizer
-from llmlab.models.builtin import builtin_model_path
-from llmlab.models.builtin.stories import stories, vocabulary, words
-from llmlab.models.builtin.train import story_perplexity
 
 # Fresh stories: neither the training seed (0) nor the held-out seed (1) in training.json.
 FRESH_SEED = 20_240

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab import LLM, SamplingParams
-from llmlab.models.cpu_linear import PackedLinear, onednn_unavailable_reason, prepack_linears
+from llmlab.kernels.cpu_linear import PackedLinear, onednn_unavailable_reason, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     onednn_unavailable_reason() is not None, reason=str(onednn_unavailable_reason())

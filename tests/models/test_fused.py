@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llmlab import LLM
-from llmlab.attention import cpu_kernels
-from llmlab.models import fused
-from llmlab.models.layers import RMSNorm, apply_rotary
+from llmlab.kernels import cpu_kernels, fused
+from llmlab.kernels.fused import apply_rotary
+from llmlab.models.layers import RMSNorm
 from llmlab.sampling.greedy import argmax_logprob
 
 pytestmark = pytest.mark.skipif(

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmlab.kernels.fused import apply_rotary
 from llmlab.models.layers import (
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
-    apply_rotary,
     get_activation,
 )
 

@@ -6,13 +6,9 @@ import json
 import pytest
 import transformers
 
-from llmlab.models import (
-    TINY_ARCHITECTURES,
-    build_tiny_model,
-    ensure_builtin_model,
-    load_tokenizer,
-)
-from llmlab.models.builtin import builtin_model_path
+from llmlab.builtin import builtin_model_path, ensure_builtin_model
+from llmlab.models import load_tokenizer
+from llmlab.testing import TINY_ARCHITECTURES, build_tiny_model
 
 
 def _digest(path) -> str:

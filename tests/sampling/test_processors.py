@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from llmlab.sampling import Sampler
+from llmlab.sampling.metadata import SamplingRow
 from llmlab.sampling.processors import (
     AllowedTokenIds,
     BadWords,
@@ -24,6 +25,11 @@ from llmlab.sampling.processors import (
 from tests.helpers import make_request
 
 NEG_INF = float("-inf")
+
+
+def row(**params):
+    """Per-row sampling state over a fresh request (what carries a grammar)."""
+    return SamplingRow.of(request(**params))
 
 
 def batch_of(requests, vocab=8, tokenizer=None):
@@ -304,7 +310,7 @@ def test_structured_mask_applies_to_rows_with_a_grammar(monkeypatch):
     monkeypatch.setitem(sys.modules, "llmlab.sampling.structured", module)
 
     g = FakeGrammar({2, 3})
-    a, b = request(), request()
+    a, b = row(), request()
     a.grammar = g
     logits = crafted(2)
     out = StructuredOutputMask()(logits.clone(), batch_of([a, b]))
@@ -313,7 +319,7 @@ def test_structured_mask_applies_to_rows_with_a_grammar(monkeypatch):
     assert torch.equal(out[1], logits[1])
 
     # Through the whole sampler: a greedy row follows the grammar (the argmax is 5).
-    a = request(temperature=0.0)
+    a = row(temperature=0.0)
     a.grammar = g
     assert Sampler()(crafted(), [a]).token_ids == [2]
     # No grammar in the batch: the module is never called.
@@ -325,7 +331,7 @@ def test_structured_mask_applies_to_rows_with_a_grammar(monkeypatch):
 def test_structured_mask_function_can_be_injected():
     calls = []
     g = FakeGrammar({4})
-    r = request(temperature=1.0)
+    r = row(temperature=1.0)
     r.grammar = g
     sampler = Sampler(processors=[StructuredOutputMask(apply_masks=fake_apply(calls))])
     assert sampler(crafted(), [r], torch.Generator().manual_seed(0)).token_ids == [4]

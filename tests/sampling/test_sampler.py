@@ -9,7 +9,8 @@ from scipy.stats import chisquare
 from llmlab.request import Request
 from llmlab.sampling import Sampler, SamplingParams
 from llmlab.sampling.processors import default_processors
-from llmlab.sampling.sampler import SamplerOutput, filtered_probs
+from llmlab.sampling.processors import apply_min_p, apply_top_k, apply_top_p
+from llmlab.sampling.sampler import SamplerOutput
 from tests.helpers import make_request
 
 LOGITS = torch.tensor([2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -0.8, -1.4, -2.0, -2.6])
@@ -58,7 +59,7 @@ def same_requests(n, **params):
     reqs = _POOL[:n]
     for r in reqs:
         r.sampling_params = sp
-        assert not r.output_token_ids and r.generator is None
+        assert not r.output_token_ids
     return reqs
 
 
@@ -122,7 +123,39 @@ def test_mixed_rows_each_follow_their_own_parameters():
     assert torch.all(tokens[:, -1] == 0)  # the greedy rows
 
 
-def test_filtered_probs_matches_exact_for_a_batch_of_mixed_settings():
+def filtered_probs(logits, temperature, top_k, top_p, min_p):
+    """The filter kernels composed as the default processors apply them (0/-1/>=V top_k,
+    top_p 1 and min_p 0 are off)."""
+    logits = logits.float() / temperature[:, None]
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    logits = apply_min_p(apply_top_p(apply_top_k(logits, k), top_p.float()), min_p.float())
+    return torch.softmax(logits, dim=-1)
+
+
+def test_a_seeded_stream_depends_only_on_the_seed_and_the_tokens_so_far():
+    """Counter-based: the draw after k tokens is the same on a fresh row as on one that
+    drew those k itself (a request resumed after preemption continues its stream), and
+    differs from draw to draw and from seed to seed."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(5))
+    a = make_request([1], temperature=1.0, seed=7)
+    for _ in range(12):
+        a.output_token_ids.append(Sampler()(logits, [a]).token_ids[0])
+    resumed = make_request([1], temperature=1.0, seed=7)
+    resumed.output_token_ids.extend(a.output_token_ids[:6])
+    for k in range(6, 12):
+        assert Sampler()(logits, [resumed]).token_ids[0] == a.output_token_ids[k]
+        resumed.output_token_ids.append(a.output_token_ids[k])
+    assert len(set(a.output_token_ids)) > 3
+    other = make_request([1], temperature=1.0, seed=8)
+    draws = []
+    for _ in range(12):
+        draws.append(Sampler()(logits, [other]).token_ids[0])
+        other.output_token_ids.append(draws[-1])
+    assert draws != a.output_token_ids
+
+
+def test_filter_kernels_match_exact_for_a_batch_of_mixed_settings():
     rows = [{"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.3}, {}, {"top_k": 4, "top_p": 0.8},
             {"temperature": 0.6, "top_k": -1, "min_p": 0.1}]
     probs = filtered_probs(
@@ -333,6 +366,9 @@ def test_seeded_top_k_rows_do_not_depend_on_neighbours_with_other_k():
                         .token_ids[0])
         seq_full.append(Sampler()(two.clone(), [c, make_request([1], temperature=0.5)])
                         .token_ids[0])
+        # The seeded stream is counter-based: each draw's noise follows the tokens so far.
+        for request, seq in ((a, seq_alone), (b, seq_wide), (c, seq_full)):
+            request.output_token_ids.append(seq[-1])
     assert seq_alone == seq_wide == seq_full
     assert len(set(seq_alone)) > 1  # it does sample
     assert set(seq_alone) <= set(logits[0].topk(5).indices.tolist())

@@ -132,7 +132,7 @@ def test_priority_preempts_a_lower_priority_request_to_admit_an_urgent_one():
     batch = step(sched)  # no free row: the lowest priority running request makes room
     assert batch.preempted == (low.request_id,)
     assert {e.request_id for e in batch.entries} == {mid.request_id, urgent.request_id}
-    assert low in sched.waiting and sched.kv.block_ids(low.request_id) == []
+    assert low in sched.waiting and list(sched.kv.block_table(low.request_id)) == []
     # An equal priority never preempts (no thrashing): mid (3) is now the lowest running.
     peer = make_request(range(4), max_tokens=5, arrival=3)
     peer.priority = 3
@@ -183,8 +183,9 @@ def _service_gap(policy, n_each=40):
     diffs = [0]
     while all(any(not r.is_finished for r in reqs if r.user == u) for u in service):
         batch = sched.schedule(now=0.0)
+        by_id = {r.request_id: r for r in reqs}
         for e in batch.entries:  # VTC's service: prompt tokens computed once, outputs x2
-            r = e.request
+            r = by_id[e.request_id]
             end = min(e.start + e.num_new_tokens, r.num_prompt_tokens)
             prompt = max(0, end - max(e.start, r.num_prompt_computed))
             service[r.user] += 1 * prompt + 2 * e.num_scored

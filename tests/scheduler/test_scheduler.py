@@ -44,7 +44,9 @@ def test_chunked_prefill_mixes_with_decodes():
     sched.add(short)
     sched.add(long)
     batch, _ = run_step(sched)
-    assert [(e.request is short, e.num_new_tokens) for e in batch.entries] == [(True, 5), (False, 5)]
+    assert [(e.request_id == short.request_id, e.num_new_tokens) for e in batch.entries] == [
+        (True, 5), (False, 5)
+    ]
     batch, _ = run_step(sched)  # short decodes (1 token) while long continues its prefill (9)
     assert [(e.num_computed_tokens, e.num_new_tokens) for e in batch.entries] == [(5, 1), (5, 9)]
     while long.num_output_tokens == 0:
@@ -144,7 +146,7 @@ def test_a_custom_policy_decides_admission_order():
     sched.add(long)
     sched.add(short)
     batch, _ = run_step(sched)
-    assert [e.request for e in batch.entries] == [short]
+    assert [e.request_id for e in batch.entries] == [short.request_id]
 
 
 def test_prefix_hit_skips_cached_tokens_at_admission():
@@ -169,7 +171,7 @@ def test_an_optional_admit_hook_can_hold_a_request_back():
     sched.add(long)
     sched.add(short)
     batch, _ = run_step(sched)
-    assert [e.request for e in batch.entries] == [short]  # the long one was skipped, not blocking
+    assert [e.request_id for e in batch.entries] == [short.request_id]  # the long one was skipped, not blocking
     assert long in sched.waiting
 
 
@@ -180,7 +182,7 @@ def test_fcfs_admits_in_arrival_order_whatever_the_order_of_queueing():
         sched.add(r)
     assert sched.waiting == [early, middle, late]
     batch, _ = run_step(sched)
-    assert [e.request for e in batch.entries] == [early]
+    assert [e.request_id for e in batch.entries] == [early.request_id]
 
 
 def test_a_preempted_request_rejoins_the_queue_in_arrival_order():
@@ -205,8 +207,9 @@ def test_rows_are_lowest_free_and_reported_when_released():
     assert reqs[0].row is None and reqs[0].is_finished  # one token, done
     batch, _ = run_step(sched)
     assert batch.freed_rows == (0,)
-    assert [(e.request, e.row, e.new_row) for e in batch.entries] == [
-        (reqs[1], 1, False), (reqs[2], 2, False), (reqs[3], 0, True)
+    assert [(e.request_id, e.row, e.new_row) for e in batch.entries] == [
+        (reqs[1].request_id, 1, False), (reqs[2].request_id, 2, False),
+        (reqs[3].request_id, 0, True),
     ]
 
 
@@ -218,9 +221,11 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
     sched.add(a)
     sched.add(b)
     batch, _ = run_step(sched)
-    assert [(e.request, e.num_new_tokens) for e in batch.entries] == [(a, 12)]
+    assert [(e.request_id, e.num_new_tokens) for e in batch.entries] == [(a.request_id, 12)]
     batch, _ = run_step(sched)
-    assert [(e.request, e.num_new_tokens) for e in batch.entries] == [(a, 1), (b, 12)]
+    assert [(e.request_id, e.num_new_tokens) for e in batch.entries] == [
+        (a.request_id, 1), (b.request_id, 12)
+    ]
 
 
 def test_the_batch_carries_spans_and_block_tables():
@@ -232,4 +237,10 @@ def test_the_batch_carries_spans_and_block_tables():
     e1, e2 = first.entries[0], second.entries[0]
     assert (e1.start, e1.token_ids, e1.num_scored) == (0, (100, 101, 102, 103, 104), 0)
     assert (e2.start, e2.token_ids, e2.num_scored) == (5, (105, 106, 107, 108), 1)
-    assert e2.block_table == tuple(sched.kv.block_ids(r.request_id)) and len(e2.block_table) == 3
+    # The first entry sends the whole table; later ones only what changed since.
+    assert e1.setup is not None and e2.setup is None
+    assert (e1.blocks_from, e1.blocks) == (0, sched.kv.block_table(r.request_id)[:2])
+    assert (e2.blocks_from, e2.blocks) == (2, sched.kv.block_table(r.request_id)[2:])
+    assert len(sched.kv.block_table(r.request_id)) == 3
+    third, _ = run_step(sched)  # a decode inside the last block: no table change
+    assert (third.entries[0].blocks_from, third.entries[0].blocks) == (3, ())

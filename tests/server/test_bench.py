@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llmlab.server.bench import (
+from llmlab.loadtest import (
     BenchConfig,
     RequestResult,
     add_bench_serve_args,
@@ -362,7 +362,9 @@ def test_failed_requests_are_counted(server, capsys):
     assert (result["completed"], result["failed"]) == (3, 3)
     errors = [r["error"] for r in result["requests"] if not r["success"]]
     assert errors == ["HTTP 400: bad request"] * 3
-    assert _cli("--base-url", f"{server.base_url}/flaky", "--num-prompts", "4", "--disable-tqdm") == 0
+    assert _cli(
+        "--base-url", f"{server.base_url}/flaky", "--num-prompts", "4", "--disable-tqdm"
+    ) == 0
     captured = capsys.readouterr()
     assert "warning: 2 requests failed" in captured.err
     assert "Failed requests:                         2" in captured.out

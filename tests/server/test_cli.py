@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llmlab.server.cli import main
+from llmlab.cli import main
 from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 
@@ -22,7 +22,7 @@ def run_cli(args, cache_dir):
 
 
 def test_generate_without_model_tells_a_story_with_the_builtin_model(tmp_path):
-    from llmlab.models.builtin.stories import vocabulary, words
+    from llmlab.builtin.stories import vocabulary, words
 
     result = run_cli(["generate", "Once upon a time", "--max-tokens", "40"], tmp_path)
     assert result.returncode == 0, result.stderr

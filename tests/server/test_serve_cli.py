@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from llmlab.server.cli import main
+from llmlab.cli import main
 from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 

@@ -1,4 +1,4 @@
-"""The word tables behind :mod:`llmlab.models.builtin.stories`.
+"""The word tables behind :mod:`llmlab.builtin.stories`.
 
 Written for llmlab (no dataset was copied). Entries may hold ``{slots}`` of the story's cast
 (``{his}``, ``{name}``, ...), filled in when a story is told. Tables are written as

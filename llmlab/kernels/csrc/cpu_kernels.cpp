@@ -1,7 +1,7 @@
 // llmlab's CPU kernels: paged attention that reads the KV cache where it lives.
 //
 // Plain C++17 + OpenMP, no torch headers, called through ctypes
-// (llmlab/attention/cpu_kernels.py), so it compiles in about a second and does not depend
+// (llmlab/kernels/cpu_kernels.py), so it compiles in about a second and does not depend
 // on torch's C++ ABI. It joins torch's OpenMP pool: torch ships libgomp.so.1 and loads it
 // first, so this library's libgomp.so.1 dependency resolves to that same copy.
 //

@@ -1,6 +1,6 @@
-"""Train the built-in story models from scratch: ``python -m llmlab.models.builtin.train --out DIR``.
+"""Train the built-in story models from scratch: ``python -m llmlab.builtin.train --out DIR``.
 
-Builds the corpus (:mod:`llmlab.models.builtin.stories`), trains a byte-level BPE on it, then
+Builds the corpus (:mod:`llmlab.builtin.stories`), trains a byte-level BPE on it, then
 trains the main model and the draft model with plain torch (AdamW, warmup then cosine,
 packed 256-token sequences, fixed seeds) on one CPU thread by default, and writes each as a
 Hugging Face checkpoint (fp16 safetensors, fp32 config) with the tokenizer beside it.
@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from llmlab.models.builtin import DRAFT_MODEL_NAME, MAIN_MODEL_NAME
-from llmlab.models.builtin.stories import stories, story
-from llmlab.models.tiny import hf_tokenizer, save_tokenizer, train_bpe_tokenizer
+from llmlab.builtin import DRAFT_MODEL_NAME, MAIN_MODEL_NAME
+from llmlab.builtin.stories import stories, story
+from llmlab.testing.tiny import hf_tokenizer, save_tokenizer, train_bpe_tokenizer
 
 VOCAB_SIZE = 1536
 MAX_POSITIONS = 512
@@ -239,7 +239,7 @@ def train_one(
         "final_train_loss": round(final_loss, 4),
         "heldout_perplexity": round(perplexity, 4),
         "heldout": {"stories": len(heldout), "seed": HELDOUT_SEED},
-        "corpus": f"llmlab.models.builtin.stories, seed {TRAIN_SEED}",
+        "corpus": f"llmlab.builtin.stories, seed {TRAIN_SEED}",
     }
     save_checkpoint(model, tokenizer, out / name, record)
 

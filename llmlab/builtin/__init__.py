@@ -6,11 +6,12 @@ Face ``LlamaForCausalLM`` checkpoints (``transformers.AutoModelForCausalLM`` loa
 
 Provenance
     Corpus: short stories that llmlab tells itself from a seeded grammar
-    (:mod:`~llmlab.models.builtin.stories`, word tables in
-    :mod:`~llmlab.models.builtin.lexicon`), written for llmlab; no dataset is used or copied.
+    (:mod:`~llmlab.builtin.stories`, word tables in
+    :mod:`~llmlab.builtin.lexicon`), written for llmlab; no dataset is used or copied.
     About 1,250 distinct words, nine plots, each story ending in ``</s>``.
     Tokenizer: byte-level BPE (``tokenizers``), 1,536 entries, ``<s>`` = 0 and ``</s>`` = 1,
-    trained on the first 20,000 stories of seed 0; the same chat template as the tiny models.
+    trained on the first 20,000 stories of seed 0; the same chat template as the tiny models
+    (:mod:`llmlab.testing.tiny`).
 
 Models (fp16 safetensors under a float32 config, so CPUs run them in fp32)
     ``llmlab-stories``: hidden 256, 4 layers, 4 heads with 2 KV heads, MLP 688, tied
@@ -26,7 +27,7 @@ Held-out perplexity (256 stories of seed 1, each scored on its own, fp16-rounded
 Rebuild (one CPU thread; 23 min for the main model and 6 min for the draft on a shared
 2-core machine; each folder's ``training.json`` records its run)::
 
-    python -m llmlab.models.builtin.train --out llmlab/models/builtin
+    python -m llmlab.builtin.train --out llmlab/builtin
 
 The script also checks that transformers and llmlab decode the same greedy tokens.
 """
@@ -45,6 +46,12 @@ def builtin_model_path(draft: bool = False) -> pathlib.Path:
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"the built-in model is missing from {path}; rebuild it with "
-            f"`python -m llmlab.models.builtin.train --out {path.parent}`"
+            f"`python -m llmlab.builtin.train --out {path.parent}`"
         )
     return path
+
+
+def ensure_builtin_model() -> pathlib.Path:
+    """The built-in demo model: a small Llama trained on synthetic stories, shipped in the
+    package (see :mod:`llmlab.builtin`). Nothing is built or downloaded."""
+    return builtin_model_path()

@@ -120,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _model_or_builtin(model: str | None) -> str:
     if model is not None:
         return model
-    from llmlab.models.tiny import ensure_builtin_model
+    from llmlab.builtin import ensure_builtin_model
 
     path = str(ensure_builtin_model())
     print(
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="load-test an OpenAI-compatible server (like vllm bench serve)",
         allow_abbrev=False,
     )
-    from llmlab.server.bench import add_bench_serve_args
+    from llmlab.loadtest import add_bench_serve_args
 
     add_bench_serve_args(bench_serve)
     args = parser.parse_args(argv)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":
-        from llmlab.server.bench import run_bench_serve
+        from llmlab.loadtest import run_bench_serve
 
         return run_bench_serve(args)
     if args.command == "components":

@@ -3,8 +3,8 @@
 Tests, examples and the simulator need a model that loads through exactly the same path as
 a downloaded one (config.json, model.safetensors, tokenizer.json) but builds in a second
 with no network. :func:`build_tiny_model` writes one for any supported architecture. The
-built-in demo model that :func:`ensure_builtin_model` returns is different: trained, and
-shipped in :mod:`llmlab.models.builtin` (whose tokenizer comes from the helpers here).
+built-in demo model that :func:`llmlab.builtin.ensure_builtin_model` returns is different:
+trained, and shipped in :mod:`llmlab.builtin` (whose tokenizer comes from the helpers here).
 
 Weights are redrawn after ``transformers`` initialises the model, because HF init sets
 norms to 1 and biases to 0, which would let a loader that drops or misplaces them pass
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from llmlab.models.tiny_corpus import corpus_lines
+from llmlab.testing.tiny_corpus import corpus_lines
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 # A minimal chat format so chat endpoints work; no special tokens, so it composes with the
@@ -255,11 +255,3 @@ def build_tiny_model(
         raise AssertionError("tokenizer special-token ids drifted from the config's")
     save_tokenizer(tokenizer, out)
     return out
-
-
-def ensure_builtin_model() -> pathlib.Path:
-    """The built-in demo model: a small Llama trained on synthetic stories, shipped in the
-    package (see :mod:`llmlab.models.builtin`). Nothing is built or downloaded."""
-    from llmlab.models.builtin import builtin_model_path
-
-    return builtin_model_path()

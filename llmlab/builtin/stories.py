@@ -1,7 +1,7 @@
 """Synthetic children's stories from a seeded grammar: the built-in model's training text.
 
 Every story is told by llmlab itself from the plot grammar below and the word tables in
-:mod:`llmlab.models.builtin.lexicon` (both written for llmlab; nothing is copied from a
+:mod:`llmlab.builtin.lexicon` (both written for llmlab; nothing is copied from a
 dataset). A story draws a cast (a hero with a name and consistent pronouns, an adult, a
 friend, a favourite thing, a place, ...) and one of nine plots, each a sequence of beats with
 several wordings, so the same character is referred to coherently from the first sentence to
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from llmlab.models.builtin import lexicon as lx
+from llmlab.builtin import lexicon as lx
 
 
 @attrs.frozen
@@ -379,7 +379,8 @@ def _cast(rng: random.Random) -> dict[str, str]:
         "thing": thing, "a_thing": _article(f"{described} {thing}"), "thing_trait": thing_trait,
         "place": place, "the_place": the_place, "home": rng.choice(lx.HOMES),
         "hiding": rng.choice(lx.HIDING_SPOTS), "spot": spot, "spot2": spot2,
-        "found_spot": rng.choice(lx.FOUND_SPOTS), "sibling": rng.choice(lx.SIBLINGS), "activity": rng.choice(lx.ACTIVITIES),
+        "found_spot": rng.choice(lx.FOUND_SPOTS), "sibling": rng.choice(lx.SIBLINGS),
+        "activity": rng.choice(lx.ACTIVITIES),
         "food": rng.choice(lx.FOODS), "Day": rng.choice(lx.DAYS), "weather": rng.choice(lx.WEATHER),
         "good": rng.choice(lx.FEELINGS_GOOD), "bad": rng.choice(lx.FEELINGS_BAD),
         "surprised": rng.choice(lx.SURPRISED), "adverb": rng.choice(lx.ADVERBS),

@@ -1,4 +1,4 @@
-"""Finding, building and loading llmlab's CPU kernels (``llmlab/csrc/cpu_kernels.cpp``).
+"""Finding, building and loading llmlab's CPU kernels (``llmlab/kernels/csrc/cpu_kernels.cpp``).
 
 The kernels are plain C++ with OpenMP, called through :mod:`ctypes`: no torch headers, so
 a build takes about a second and survives torch upgrades. :func:`load` looks, in order:
@@ -29,8 +29,11 @@ import shutil
 import subprocess
 import tempfile
 
-SOURCE = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
-PACKAGE_DIR = SOURCE.parent.parent
+KERNELS_DIR = pathlib.Path(__file__).resolve().parent
+SOURCE = KERNELS_DIR / "csrc" / "cpu_kernels.cpp"
+# Where ``pip install`` puts its build (the extension ``llmlab._cpu_kernels`` in setup.py):
+# the ``llmlab`` package folder, one above this one.
+PACKAGE_DIR = KERNELS_DIR.parent
 
 # -march=native: the build runs where it will be used (install time or first use).
 # -fno-math-errno / -fno-trapping-math let sqrt and friends vectorise without the rest of
@@ -170,7 +173,7 @@ class CpuKernels:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Step), ctypes.POINTER(_Layer)]
         i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-        # The fused elementwise ops (llmlab.models.fused): dtype code, pointers, sizes.
+        # The fused elementwise ops (llmlab.kernels.fused): dtype code, pointers, sizes.
         signatures = {
             "add_rms_norm": [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, f32, i64],
             "silu_and_mul": [ctypes.c_int, ptr, ptr, i64, i64, i64],

@@ -6,10 +6,11 @@ On CPU a decode step's activations are small (``[batch, hidden]``), so a chain o
 ops (residual add, RMSNorm's cast / normalise / cast / scale; rotary's split / negate /
 concatenate / two products / sum; SiLU then the product with ``up``) costs more in
 dispatches and passes over memory than in arithmetic. Each function here runs one C++
-kernel from :mod:`llmlab.attention.cpu_kernels` when every tensor is a contiguous CPU
+kernel from :mod:`llmlab.kernels.cpu_kernels` when every tensor is a contiguous CPU
 float32/bfloat16 tensor of one dtype and the kernels load, and the torch chain otherwise.
 Both round at the same points, so float32 results differ only in summation order and
-bfloat16 ones agree to the last rounding of a sum.
+bfloat16 ones agree to the last rounding of a sum. :func:`apply_rotary`, rotary's torch
+chain, lives here too, so the models take it from here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmlab.attention import cpu_kernels
+from llmlab.kernels import cpu_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -70,9 +71,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` in place, NeoX-style, like
-    :func:`llmlab.models.layers.apply_rotary` (``cos``/``sin`` ``[T, rotary_dim]``);
-    returns ``x``. ``x`` may be a strided view (e.g. into a fused q/k/v output)."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` in place, NeoX-style, like :func:`apply_rotary`
+    (``cos``/``sin`` ``[T, rotary_dim]``); returns ``x``. ``x`` may be a strided view (e.g.
+    into a fused q/k/v output)."""
     kernels = _kernels(x, cos, sin)
     if (
         kernels is not None and x.stride(-1) == 1 and cos.is_contiguous()
@@ -84,7 +85,24 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
             torch.get_num_threads(),
         )
         return x
-    from llmlab.models.layers import apply_rotary
-
     x.copy_(apply_rotary(x, cos, sin))
     return x
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by
+    :meth:`llmlab.models.layers.RotaryEmbedding.cos_sin` angles.
+
+    When the angles cover fewer channels than ``head_dim`` (partial rotary), only the
+    leading ones rotate and the rest pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]

@@ -1,0 +1,246 @@
+"""What the sampler reads: per-row sampling state, and one step's :class:`SamplingMetadata`.
+
+The sampler is a function of ``(logits, SamplingMetadata)``. Row ``i`` of the logits belongs
+to ``metadata.rows[i]``, a :class:`SamplingRow`: the per-row state an executor keeps for
+the life of a scheduler row (created from the step contract's ``RowSetup``, dropped when
+the batch frees the row). It holds what lives across steps: the parameters as admitted,
+the prompt and the tokens sampled so far (penalties, bad words, min_tokens, custom
+processors), the grammar matcher, and the seeded stream's generator.
+
+Seeded rows draw from a *counter-based* stream: the generator is re-seeded at every draw
+from ``(seed, number of tokens sampled so far)``, so a request's tokens depend only on its
+seed and its own history: not on what shares the batch, nor on whether it was preempted
+and resumed on another row, nor on which process runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from llmlab.sampling.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of draw ``index`` of the stream ``seed`` (a 63-bit mix of both)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
+
+
+@attrs.define(eq=False, slots=True)
+class SamplingRow:
+    """One row's sampling state (what a ``Request`` used to carry for the sampler).
+
+    Attributes:
+        request_id: the request on this row (for messages).
+        sampling_params: its parameters, as admitted.
+        prompt_token_ids: its prompt.
+        output_token_ids: tokens sampled so far (the executor appends each one it draws).
+        eos_token_ids: ids that end it unless ``ignore_eos``.
+        grammar: its structured-output matcher (``GrammarState``), or None.
+        generator: the seeded stream's generator, created at the first seeded draw.
+    """
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = attrs.field(factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+    grammar: Any = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @classmethod
+    def of(cls, request: Any) -> SamplingRow:
+        """A row over a request-like object (its lists are shared, not copied)."""
+        return cls(
+            request.request_id,
+            request.sampling_params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            getattr(request, "eos_token_ids", frozenset()),
+            getattr(request, "grammar", None),
+        )
+
+    def seeded_generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator for this row's next draw (None when unseeded), on ``device``."""
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generator
+        if gen is None or gen.device != device:
+            gen = self.generator = torch.Generator(device=device)
+        gen.manual_seed(stream_seed(seed, len(self.output_token_ids)))
+        return gen
+
+
+class GrammarFactory:
+    """Builds structured-output matchers for rows; the compiler is created at first use
+    (xgrammar is optional) and shared by every thread that asks."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._backend = None
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self):
+        with self._lock:
+            if self._backend is None:
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "structured_outputs needs a tokenizer (skip_tokenizer_init=True)"
+                    )
+                from llmlab.sampling.structured import StructuredOutputBackend
+
+                self._backend = StructuredOutputBackend(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+            return self._backend
+
+    def compile(self, spec: Any):
+        """The compiled grammar of a ``StructuredOutputsParams`` (cached by the backend)."""
+        return self.backend.compile(spec)
+
+    def new_state(self, spec: Any, accepted: Iterable[int] = ()):
+        """A matcher for ``spec`` that has accepted ``accepted`` (a resumed row's output)."""
+        backend = self.backend
+        state = backend.new_state(backend.compile(spec))
+        state.accept_many(accepted)
+        return state
+
+
+@attrs.define(eq=False)
+class SamplingMetadata:
+    """One sampler call: the rows of the logits, and per-row data derived from them lazily.
+
+    Row lists (``list[int]``, ascending) come from plain Python over the parameters; tensors
+    are built only when a processor asks, with one ``torch.tensor`` per column.
+
+    Attributes:
+        rows: row ``i`` of the logits belongs to ``rows[i]`` (a :class:`SamplingRow`, or
+            any object with the same attributes). ``requests`` is the same list.
+        vocab_size: width of the logits (may be less than the tokenizer's vocabulary).
+        device: the logits' device; tensors built here live on it.
+        tokenizer: needed by ``bad_words`` (the sampler fills in its own when None).
+        generator: the stream unseeded rows share (the executor's).
+        params: ``rows[i].sampling_params`` per row.
+    """
+
+    rows: Sequence[SamplingRow]
+    vocab_size: int
+    device: torch.device
+    tokenizer: Any = None
+    generator: torch.Generator | None = None
+    params: list[SamplingParams] = attrs.field(init=False)
+    _cache: dict = attrs.field(init=False, factory=dict, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.params = [r.sampling_params for r in self.rows]
+
+    @property
+    def requests(self) -> Sequence[SamplingRow]:
+        """The rows (the name processors written against earlier versions use)."""
+        return self.rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    # -- rows --------------------------------------------------------------------------
+
+    def rows_where(self, pred: Callable[[SamplingParams], object]) -> list[int]:
+        """Rows whose sampling parameters satisfy ``pred``."""
+        return [i for i, p in enumerate(self.params) if pred(p)]
+
+    def requests_where(self, pred: Callable[[SamplingRow], object]) -> list[int]:
+        """Rows whose state satisfies ``pred``."""
+        return [i for i, r in enumerate(self.rows) if pred(r)]
+
+    @property
+    def random_rows(self) -> list[int]:
+        """Rows that draw at random (``temperature > 0``); the others are greedy."""
+        rows = self._cache.get("random_rows")
+        if rows is None:
+            rows = self._cache["random_rows"] = self.rows_where(lambda p: p.temperature > 0)
+        return rows
+
+    def random_rows_where(self, pred: Callable[[SamplingParams], object]) -> list[int]:
+        """Random rows whose parameters satisfy ``pred`` (the filters skip greedy rows)."""
+        params = self.params
+        return [i for i in self.random_rows if pred(params[i])]
+
+    # -- tensors -----------------------------------------------------------------------
+
+    def index(self, rows: Sequence[int]) -> torch.Tensor:
+        """``rows`` as a long tensor on the device."""
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def values(
+        self, get: Callable[[SamplingParams], float], rows: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``[len(rows)]`` tensor of ``get(params)`` per row (all rows by default)."""
+        params = self.params
+        vals = [get(p) for p in params] if rows is None else [get(params[i]) for i in rows]
+        return torch.tensor(vals, dtype=dtype, device=self.device)
+
+    def output_counts(self, rows: Sequence[int]) -> torch.Tensor:
+        """``[len(rows), V]`` float32: how often each token occurs in each row's output."""
+        key = ("output_counts", tuple(rows))
+        counts = self._cache.get(key)
+        if counts is None:
+            lists = [self.rows[i].output_token_ids for i in rows]
+            counts = self._cache[key] = count_tokens(lists, self.vocab_size, self.device)
+        return counts
+
+    def prompt_counts(self, rows: Sequence[int]) -> torch.Tensor:
+        """``[len(rows), V]`` float32: how often each token occurs in each row's prompt."""
+        key = ("prompt_counts", tuple(rows))
+        counts = self._cache.get(key)
+        if counts is None:
+            lists = [self.rows[i].prompt_token_ids for i in rows]
+            counts = self._cache[key] = count_tokens(lists, self.vocab_size, self.device)
+        return counts
+
+
+def count_tokens(
+    lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``[len(lists), vocab_size]`` float32 counts of each list's ids, in one scatter.
+
+    Ids ``>= vocab_size`` are counted in a spare column that is dropped.
+    """
+    n = len(lists)
+    counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long, device=device)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long,
+                       device=device)
+    if ids.numel():
+        rows = torch.repeat_interleave(torch.arange(n, device=device), lengths)
+        ids = ids.clamp_(max=vocab_size)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32),
+                          accumulate=True)
+    return counts[:, :vocab_size]

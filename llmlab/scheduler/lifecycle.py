@@ -1,0 +1,214 @@
+"""Lifecycle transitions: how a step's outcome and outside events change requests.
+
+The half of :class:`~llmlab.scheduler.scheduler.Scheduler` that writes lifecycle state
+after a batch is built: appending an executor's tokens and deciding what stopped
+(``update``), starting parallel samples (``_fan_out``), a stop string found by output
+processing (``stop_string``), preemption, failure and abort. The scheduler is the only
+writer of a request's lifecycle; these are its methods (a mixin of ``Scheduler``, kept in
+its own file so each half reads on its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmlab.errors import ComponentError, RequestFailedError
+from llmlab.request import Request, RequestStatus
+from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
+from llmlab.scheduler.policy import Served
+
+
+class Lifecycle:
+    """Transitions of :class:`~llmlab.scheduler.scheduler.Scheduler` (see the module)."""
+
+    def resend_rows(self) -> None:
+        """The executor failed mid-step and dropped its per-row state: every running
+        request's next entry carries its row's setup and whole block table again."""
+        self._resend = {r.request_id for r in self.running}
+
+    def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
+        """Advance the batch's requests; append their new tokens; return those that finished.
+
+        Tokens of an entry are appended in order until one ends the request; the rest are
+        dropped (so a verifier or a multi-token step can overshoot safely). Then the policy
+        hears what each request was served (``on_step``) and which finished (``remove``).
+        """
+        try:
+            output.check(batch)
+        except ValueError:
+            self.resend_rows()  # the executor's row state may be ahead of ours
+            raise
+        on_step = self._optional("on_step")
+        served: list[Served] = []
+        finished = []
+        scheduled = self._scheduled
+        for i, (entry, token_ids, logprobs) in enumerate(
+            zip(batch.entries, output.token_ids, output.logprobs)
+        ):
+            request = scheduled[entry.request_id]
+            if request.is_finished:  # aborted while the step ran
+                continue
+            end = entry.start + len(entry.token_ids)
+            request.num_computed_tokens = end
+            prompt_end = min(end, request.num_prompt_tokens)
+            new_prompt = max(0, prompt_end - max(entry.start, request.num_prompt_computed))
+            request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
+            self.kv.cache_computed_blocks(request)
+            if output.prompt_logprobs is not None and output.prompt_logprobs[i]:
+                request.add_prompt_logprobs(
+                    output.prompt_logprobs_start[i], output.prompt_logprobs[i]
+                )
+            if entry.forks and request.forks:
+                # Before the request's own token: a request that finishes now frees its
+                # blocks, and the forks take them by reference first.
+                for member in self._fan_out(request, output.forks[i]):
+                    if on_step is not None:
+                        served.append(Served(member.view, 0, 0, 1))
+                    if member.is_finished:
+                        finished.append(member)
+            tops = output.top_logprobs[i] if output.top_logprobs is not None else None
+            num_generated = 0
+            for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+                request.append_output(token_id, logprob, tops[j] if tops else None)
+                num_generated += 1
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+                    finished.append(request)
+                    break
+            if on_step is not None:
+                served.append(Served(request.view, len(entry.token_ids), new_prompt, num_generated))
+        if on_step is not None and served:
+            self._call("on_step", tuple(served), self._now)
+        for request in finished:
+            self._forget(request)
+        return finished
+
+    def _fan_out(self, leader: Request, samples) -> list[Request]:
+        """Start the leader's parallel samples: each takes the leader's KV blocks by
+        reference (the partly filled last block is copied when first written), a reserved
+        row, and its own first token."""
+        members, leader.forks = leader.forks, []
+        rows = self._rows.take_reserved(leader.request_id)
+        for member, row, (token_id, logprob, top) in zip(members, rows, samples, strict=True):
+            self.kv.fork(leader, member)
+            member.num_computed_tokens = leader.num_computed_tokens
+            member.num_prompt_computed = leader.num_prompt_computed
+            member.num_cached_tokens = leader.num_cached_tokens
+            member.status = RequestStatus.RUNNING
+            member.row = row
+            member.seq = self._next_seq
+            self._next_seq += 1
+            self.running.append(member)
+            member.append_output(token_id, logprob, top)
+            status = self._stop_status(member, token_id)
+            if status is not None:
+                self._finish(member, status)  # the caller reports it and tells the policy
+        return members
+
+    def drop_forks(self, request: Request) -> list[Request]:
+        """A request ended before its parallel samples forked: they end with it (same
+        status and error); returns them."""
+        forks, request.forks = request.forks, []
+        for member in forks:
+            member.status = request.status
+            member.error = request.error
+        return forks
+
+    def stop_string(self, request: Request, matched: str) -> bool:
+        """A stop string matched in the request's text (the output side found it): the one
+        way a stop decided above the scheduler reaches a request's lifecycle. A running
+        request stops (blocks and row freed, the policy told); one that just reached its
+        length limit with the same token is reported as stopped on the string, since its
+        text is cut there. True when it stopped now."""
+        if request.status is RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = matched
+            return False
+        if request.is_finished or request not in self.running:
+            return False
+        request.stop_reason = matched
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        self._forget(request)
+        return True
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- lifecycle transitions ---------------------------------------------------------
+
+    def _release_row(self, request: Request) -> None:
+        self._rows.release(request.row, request.request_id)
+        request.row = None
+        self._resend.discard(request.request_id)
+
+    def _free_blocks(self, request: Request) -> None:
+        try:
+            self.kv.free(request)
+        except ComponentError as err:  # the pool is consistent; report after the step
+            self._errors.append(err)
+
+    def _preempt(self, request: Request, now: float) -> None:
+        self.running.remove(request)
+        self._release_row(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._free_blocks(request)
+        self._waiting[request.request_id] = request
+        self._push(request, now)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self._release_row(request)
+        request.status = status
+        self._free_blocks(request)
+
+    def _fail(self, request: Request, reason: str) -> None:
+        """End a request that can never be scheduled (aborted, with ``error`` set)."""
+        if request in self.running:
+            self.running.remove(request)
+        self._waiting.pop(request.request_id, None)
+        self._release_row(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.error = reason
+        self._free_blocks(request)
+        self._errors.append(RequestFailedError(request.request_id, reason))
+        self._forget(request)
+
+    def _too_big(self, request: Request, num_tokens: int) -> str:
+        needed = self.kv.blocks_needed(num_tokens)
+        return (
+            f"request {request.request_id!r} can never be scheduled: {num_tokens} tokens need "
+            f"{needed} KV blocks of {self.kv.block_size} tokens, but the cache has "
+            f"{self.kv.num_blocks} blocks; it was aborted"
+        )
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Remove the given requests wherever they are; frees their blocks and rows."""
+        ids = set(request_ids)
+        aborted = [self._waiting.pop(i) for i in ids if i in self._waiting]
+        hits = [r for r in self.running if r.request_id in ids]
+        if hits:
+            gone = {id(r) for r in hits}
+            self.running = [r for r in self.running if id(r) not in gone]
+            aborted.extend(hits)
+        for request in aborted:
+            self._release_row(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_blocks(request)
+            if request in self._unqueued:
+                self._unqueued.remove(request)
+            self._forget(request)
+        return aborted

@@ -1,0 +1,78 @@
+"""OpenAI's two logprob shapes: the completions API's (``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``) and chat's (``content`` with each token's alternatives)."""
+
+from __future__ import annotations
+
+import math
+
+from llmlab.server import protocol as p
+
+# JSON has no -inf: a token with probability 0 is reported with this logprob (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+class _LogprobText:
+    """Completions-style logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.offset = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.result = p.CompletionLogProbs()
+
+    def add(self, token_ids, positions, k: int) -> None:
+        if positions is None:
+            return
+        for token_id, position in zip(token_ids, positions, strict=False):
+            if position is None:  # the first prompt token has no logprob
+                text = _token_text(self.tokenizer, token_id, None)
+                self.result.tokens.append(text)
+                self.result.token_logprobs.append(None)
+                self.result.top_logprobs.append(None)
+            else:
+                chosen = position.get(token_id)
+                text = _token_text(self.tokenizer, token_id, chosen)
+                self.result.tokens.append(text)
+                self.result.token_logprobs.append(
+                    _finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB)
+                top = {}
+                for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank):
+                    if lp.rank <= k or tid == token_id:
+                        top.setdefault(_token_text(self.tokenizer, tid, lp), _finite(lp.logprob))
+                self.result.top_logprobs.append(top)
+            self.result.text_offset.append(self.offset)
+            self.offset += len(text)
+
+
+def _token_text(tokenizer, token_id: int, logprob) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def _chat_logprobs(tokenizer, token_ids, positions, k: int) -> p.ChatLogProbs:
+    content = []
+    for token_id, position in zip(token_ids, positions or (), strict=False):
+        chosen = position.get(token_id)
+        text = _token_text(tokenizer, token_id, chosen)
+        top = [
+            p.ChatLogProb(token=(t := _token_text(tokenizer, tid, lp)),
+                          logprob=_finite(lp.logprob), bytes=list(t.encode("utf-8")))
+            for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
+            if lp.rank <= k
+        ][:k]
+        content.append(p.ChatLogProbsContent(
+            token=text,
+            logprob=_finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+            bytes=list(text.encode("utf-8")),
+            top_logprobs=top,
+        ))
+    return p.ChatLogProbs(content=content)

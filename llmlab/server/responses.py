@@ -1,0 +1,279 @@
+"""Engine outputs as OpenAI responses: one run per request (:class:`_CompletionRun`,
+:class:`_ChatRun`) collects its outputs into one response or streams them as server-sent
+events; errors after a stream has started go in-band."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from llmlab.engine.async_engine import EngineDeadError, EngineError, RequestStream
+from llmlab.engine.outputs import RequestOutput
+from llmlab.errors import RequestFailedError
+from llmlab.server import protocol as p
+from llmlab.server.errors import APIError, ClientDisconnected
+from llmlab.server.logprobs import _chat_logprobs, _LogprobText
+from llmlab.server.request_params import _default
+
+if TYPE_CHECKING:
+    from llmlab.server.serving import OpenAIServing, _Prompt
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define
+class _CompletionRun:
+    serving: OpenAIServing
+    request: p.CompletionRequest
+    model: str
+    prompts: list[_Prompt]
+    streams: list[RequestStream]
+    id: str = attrs.field(factory=lambda: p.random_id("cmpl"))
+    created: int = attrs.field(factory=p.now)
+
+    @property
+    def n(self) -> int:
+        return _default(self.request.n, 1)
+
+    def _prompt_text(self, i: int) -> str:
+        prompt = self.prompts[i]
+        if prompt.text is not None:
+            return prompt.text
+        return self.serving.tokenizer.decode(prompt.token_ids) if self.serving.tokenizer else ""
+
+    async def collect(self) -> p.CompletionResponse:
+        finals = await asyncio.gather(*(_last(s) for s in self.streams))
+        choices = []
+        completion_tokens = 0
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                text = c.text
+                logprobs = None
+                if self.request.logprobs is not None:
+                    logprobs = _LogprobText(self.serving.tokenizer)
+                    if self.request.echo:
+                        logprobs.add(self.prompts[i].token_ids, out.prompt_logprobs,
+                                     self.request.logprobs)
+                    logprobs.add(c.token_ids, c.logprobs, self.request.logprobs)
+                    logprobs = logprobs.result
+                if self.request.echo:
+                    text = self._prompt_text(i) + text
+                choices.append(p.CompletionChoice(
+                    index=i * self.n + c.index, text=text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))
+                completion_tokens += len(c.token_ids)
+        choices.sort(key=lambda c: c.index)
+        prompt_tokens = sum(len(pr.token_ids) for pr in self.prompts)
+        return p.CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices,
+            usage=_usage(prompt_tokens, completion_tokens),
+        )
+
+    async def stream(self) -> AsyncIterator[str]:
+        completion_tokens = 0
+        echoed: set[int] = set()
+        offsets: dict[int, _LogprobText] = {}
+        try:
+            async for i, out in _merge(self.streams):
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    text = c.text
+                    if self.request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._prompt_text(i) + text
+                    logprobs = None
+                    if self.request.logprobs is not None:
+                        lp = offsets.setdefault(index, _LogprobText(self.serving.tokenizer))
+                        lp.reset()
+                        if self.request.echo and out.prompt_logprobs is not None:
+                            lp.add(self.prompts[i].token_ids, out.prompt_logprobs,
+                                   self.request.logprobs)
+                        lp.add(c.token_ids, c.logprobs, self.request.logprobs)
+                        logprobs = lp.result
+                    completion_tokens += len(c.token_ids)
+                    if not (text or c.finish_reason or logprobs):
+                        continue  # the detokenizer holds back half a character: nothing to say
+                    chunk = p.CompletionStreamResponse(
+                        id=self.id, created=self.created, model=self.model,
+                        choices=[p.CompletionChoice(
+                            index=index, text=text, logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                    )
+                    yield _sse(chunk)
+            if _include_usage(self.request):
+                prompt_tokens = sum(len(pr.token_ids) for pr in self.prompts)
+                yield _sse(p.CompletionStreamResponse(
+                    id=self.id, created=self.created, model=self.model, choices=[],
+                    usage=_usage(prompt_tokens, completion_tokens)))
+        except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in-band
+            yield _sse_error(err)
+        finally:
+            for s in self.streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+
+@attrs.define
+class _ChatRun:
+    serving: OpenAIServing
+    request: p.ChatCompletionRequest
+    model: str
+    prompt: _Prompt
+    stream_: RequestStream
+    echo: str = ""
+    id: str = attrs.field(factory=lambda: p.random_id("chatcmpl"))
+    created: int = attrs.field(factory=p.now)
+
+    def _logprobs(self, c) -> p.ChatLogProbs | None:
+        if not self.request.logprobs:
+            return None
+        return _chat_logprobs(self.serving.tokenizer, c.token_ids, c.logprobs,
+                              self.request.top_logprobs or 0)
+
+    async def collect(self) -> p.ChatCompletionResponse:
+        out = await _last(self.stream_)
+        choices = [
+            p.ChatChoice(
+                index=c.index,
+                message=p.ChatMessage(role="assistant", content=self.echo + c.text),
+                logprobs=self._logprobs(c),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            )
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return p.ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices,
+            usage=_usage(len(self.prompt.token_ids), completion_tokens),
+        )
+
+    async def stream(self) -> AsyncIterator[str]:
+        n = _default(self.request.n, 1)
+        completion_tokens = 0
+
+        def chunk(choices, usage=None) -> str:
+            return _sse(p.ChatCompletionStreamResponse(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage))
+
+        try:
+            # OpenAI opens each choice with the assistant's role and no content yet.
+            for index in range(n):
+                yield chunk([p.ChatStreamChoice(
+                    index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+            if self.echo:
+                for index in range(n):
+                    yield chunk([p.ChatStreamChoice(
+                        index=index, delta=p.DeltaMessage(content=self.echo))])
+            async for out in self.stream_:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not (c.text or c.finish_reason or self.request.logprobs):
+                        continue  # the detokenizer holds back half a character: nothing to say
+                    yield chunk([p.ChatStreamChoice(
+                        index=c.index, delta=p.DeltaMessage(content=c.text),
+                        logprobs=self._logprobs(c),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if _include_usage(self.request):
+                yield chunk([], _usage(len(self.prompt.token_ids), completion_tokens))
+        except Exception as err:  # noqa: BLE001 - sent in-band, as above
+            yield _sse_error(err)
+        finally:
+            self.stream_.abort()
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
+    return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       total_tokens=prompt_tokens + completion_tokens)
+
+
+def _include_usage(request) -> bool:
+    return bool(request.stream_options and request.stream_options.include_usage)
+
+
+def _sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _sse_error(err: Exception) -> str:
+    if isinstance(err, APIError):
+        api = err
+    elif isinstance(err, RequestFailedError):
+        api = APIError(str(err), status=400)
+    elif isinstance(err, (EngineError, EngineDeadError)):
+        api = APIError(str(err), status=503, type="server_error")
+    else:
+        logger.exception("a streamed response failed")
+        api = APIError(f"internal error: {type(err).__name__}", status=500, type="server_error")
+    return f"data: {json.dumps(api.body())}\n\n"
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    if final is None:
+        raise APIError("the request was aborted", status=503, type="server_error")
+    return final
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as err:  # noqa: BLE001 - handed to the reader, who raises it
+            await queue.put((i, err))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _until_disconnected(
+    work: Awaitable, streams: list[RequestStream], disconnected
+) -> Any:
+    """Await ``work``, unless the client disconnects first: then abort its requests.
+
+    ``disconnected`` is an async callable that returns when the client has gone."""
+    if disconnected is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    for stream in streams:
+        stream.abort()
+    raise ClientDisconnected
