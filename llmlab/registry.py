@@ -16,9 +16,12 @@ A name may also be an import path, ``"package.module:Class"``: the command line 
 module (which may register more names) and instantiates the class with no arguments.
 ``llmlab components`` lists every registered name with the first line of its docstring.
 
-Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``. The registry maps
-names to *factories* (usually classes) called with no arguments; each engine gets fresh
-instances, so no state is shared between engines.
+Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler`` and
+``model``. The registry maps names to *factories* (usually classes) called with no
+arguments; each engine gets fresh instances, so no state is shared between engines. Models
+are the exception: a ``model`` name is a Hugging Face architecture (``config.json``'s
+``architectures``) and its class is built by the loader from that config
+(:func:`llmlab.models.register_model` adds one).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ KINDS: dict[str, str] = {
     "scheduling_policy": "llmlab.scheduler.policies",
     "eviction_policy": "llmlab.cache.eviction",
     "attention_backend": "llmlab.attention",
+    "sampler": "llmlab.sampling.sampler",
+    "model": "llmlab.models.registry",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -74,10 +79,19 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
         Method("forward", ("layer_idx", "q", "k", "v", "kv_cache", "metadata"),
                keywords=("scale", "sliding_window"), returns="Tensor"),
     ),
+    "sampler": (
+        Method("__call__", ("logits", "metadata"), returns="SamplerOutput"),
+    ),
+    "model": (
+        Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),
+        Method("compute_logits", ("hidden",), returns="Tensor"),
+        Method("load_weights", ("weights",)),
+    ),
 }
 """Each kind's required methods and the call shapes the engine uses, in one place. The
-protocols in ``scheduler/policy.py``, ``cache/eviction.py`` and ``attention/backend.py``
-document them; :func:`check` holds a component to them before an engine loads weights."""
+protocols in ``scheduler/policy.py``, ``cache/eviction.py``, ``attention/backend.py``,
+``sampling/sampler.py`` and ``models/base.py`` document them; :func:`check` holds a
+component (or a model class) to them before an engine loads weights."""
 
 # The scheduling policy's older form (scheduler.policy.OrderPolicy adapts it).
 LEGACY_SCHEDULING: tuple[Method, ...] = (
@@ -89,9 +103,11 @@ LEGACY_SCHEDULING: tuple[Method, ...] = (
 def check(kind: str, component: Any, methods: tuple[Method, ...] | None = None) -> None:
     """Raise ``TypeError`` unless ``component`` has every method of ``kind``'s contract (or
     ``methods``) and each accepts the call the engine makes, naming the method and the
-    expected signature. Called on instances; a bound method's ``self`` is not counted."""
+    expected signature. Called on instances (a bound method's ``self`` is not counted) or,
+    for models, on the class."""
     _check_kind(kind)
-    label = f"{kind} {type(component).__name__}"
+    is_class = isinstance(component, type)
+    label = f"{kind} {(component if is_class else type(component)).__name__}"
     for method in CONTRACTS[kind] if methods is None else methods:
         attr = getattr(component, method.name, None)
         if not callable(attr):
@@ -101,7 +117,8 @@ def check(kind: str, component: Any, methods: tuple[Method, ...] | None = None) 
         except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
             continue
         try:
-            signature.bind(*method.params, **dict.fromkeys(method.keywords))
+            params = ("self", *method.params) if is_class else method.params
+            signature.bind(*params, **dict.fromkeys(method.keywords))
         except TypeError as err:
             raise TypeError(
                 f"{label}.{method.name}{signature} cannot take the engine's call ({err}); "

@@ -87,9 +87,11 @@ def test_flexible_signatures_and_every_builtin_pass():
         def evict(self, n=1, **options): ...
 
     registry.check("eviction_policy", Flexible())
-    for kind in ("eviction_policy", "attention_backend"):
+    for kind in ("eviction_policy", "attention_backend", "sampler"):
         for name in registry.available(kind):
             registry.check(kind, registry.create(kind, name))
+    for name in registry.available("model"):  # classes, built by the loader from a config
+        registry.check("model", registry.resolve("model", name))
     from llmlab.scheduler.policy import as_policy
 
     for name in registry.available("scheduling_policy"):
@@ -101,3 +103,30 @@ def test_every_kind_declares_its_contract_in_one_place():
     assert repr(registry.CONTRACTS["attention_backend"][2]) == (
         "forward(self, layer_idx, q, k, v, kv_cache, metadata, *, scale, sliding_window) "
         "-> Tensor")
+
+
+def test_a_sampler_of_the_older_three_argument_form_is_refused_before_loading(nothing_loads):
+    class RequestsAndGenerator:
+        def __call__(self, logits, requests, generator): ...
+
+    with pytest.raises(TypeError, match=r"__call__.*expected __call__\(self, logits, "
+                                        r"metadata\) -> SamplerOutput"):
+        LLM("any/model", sampler=RequestsAndGenerator())
+    with pytest.raises(ValueError, match="unknown sampler 'nope'; available: default"):
+        LLM("any/model", sampler="nope")
+
+
+def test_a_model_class_that_breaks_the_model_contract_cannot_be_registered():
+    from llmlab.models import register_model
+    from llmlab.models.registry import MODEL_REGISTRY
+
+    class NoPositions:
+        def forward(self, input_ids, attn): ...
+        def compute_logits(self, hidden): ...
+        def load_weights(self, weights): ...
+
+    with pytest.raises(TypeError, match=r"model NoPositions.forward.*expected "
+                                        r"forward\(self, input_ids, positions, attn\)"):
+        register_model("NoPositionsForCausalLM", NoPositions)
+    assert "NoPositionsForCausalLM" not in MODEL_REGISTRY
+    assert MODEL_REGISTRY is registry.table("model")  # one registry, models included

@@ -132,6 +132,7 @@ class EngineBuilder:
         attention = None
         if not auto_attention:
             attention = _component("attention_backend", self.attention_backend)
+        sampler = _component("sampler", self.sampler) or Sampler()
         as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
         threads = configure_threads(cfg.cpu_threads)
@@ -142,8 +143,9 @@ class EngineBuilder:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_path)
-        # Reject an unsupported architecture before loading any weights.
-        get_model_class(getattr(hf_config, "architectures", None))
+        # Reject an unsupported architecture, or a model class that breaks the model
+        # contract, before loading any weights.
+        registry.check("model", get_model_class(getattr(hf_config, "architectures", None)))
         max_model_len = _max_model_len(cfg, hf_config)
         if cfg.max_num_batched_tokens is None:
             default_budget = 8192 if device.type == "cuda" else 2048
@@ -195,7 +197,6 @@ class EngineBuilder:
                 cache_dir=cfg.download_dir,
             )
         layout = model.kv_layout
-        sampler = self.sampler or Sampler()
         if getattr(sampler, "tokenizer", False) is None:
             sampler.tokenizer = tokenizer  # bad_words are tokenized with it
         generator = torch.Generator(device=device)

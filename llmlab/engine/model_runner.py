@@ -171,6 +171,22 @@ class ModelRunner:
         return self.grammars
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> BatchOutput:
+        entries = batch.entries
+        if hidden.shape[0] == len(entries) and all(
+            e.num_scored == 1 and not e.forks and e.prompt_logprobs_from < 0 for e in entries
+        ):
+            # One scored token per entry (a decode step): every hidden row is sampled, in
+            # order, and each entry gets one token.
+            rows = self.rows
+            sample_rows = [rows[e.row] for e in entries]
+            sampled = self._draw(self.model.compute_logits(hidden), sample_rows)
+            tops = getattr(sampled, "top", None)
+            wants_top = tops is not None and any(t is not None for t in tops)
+            return BatchOutput(
+                tuple((t,) for t in sampled.token_ids),
+                tuple((lp,) for lp in sampled.logprobs),
+                top_logprobs=tuple((t,) for t in tops) if wants_top else None,
+            )
         # Rows of ``hidden`` to sample from: each scoring entry's last position, once for
         # the request and once more for each parallel sample it forks into.
         scored_rows: list[int] = []
@@ -206,17 +222,8 @@ class ModelRunner:
         if not scored_rows:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
-        logits = self.model.compute_logits(hidden[scored_rows])
-        metadata = SamplingMetadata(
-            sample_rows, logits.shape[-1], logits.device, generator=self.generator
-        )
-        try:
-            sampled = self.sampler(logits, metadata)
-        except Exception as err:
-            raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
+        sampled = self._draw(self.model.compute_logits(hidden[scored_rows]), sample_rows)
         tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
-        for row, token_id in zip(sample_rows, sampled.token_ids, strict=True):
-            _advance(row, token_id)
         token_ids, logprobs, top_logprobs, forks, j = [], [], [], [], 0
         for entry in batch.entries:
             if not entry.num_scored:
@@ -241,6 +248,30 @@ class ModelRunner:
             forks=tuple(forks) if any(forks) else None,
             **prompt_fields,
         )
+
+    def _draw(self, logits: torch.Tensor, sample_rows: list[SamplingRow]):
+        """Sample one token per row; each joins its row's history (and grammar)."""
+        metadata = SamplingMetadata(
+            sample_rows, logits.shape[-1], logits.device, generator=self.generator
+        )
+        try:
+            sampled = self.sampler(logits, metadata)
+        except Exception as err:
+            raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
+        if len(sampled.token_ids) != len(sample_rows):
+            raise ValueError(
+                f"the sampler returned {len(sampled.token_ids)} tokens for "
+                f"{len(sample_rows)} rows"
+            )
+        for row, token_id in zip(sample_rows, sampled.token_ids):
+            row.output_token_ids.append(token_id)
+            grammar = row.grammar
+            if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):
+                logger.warning(
+                    "request %r: structured-output grammar rejected token %d",
+                    row.request_id, token_id,
+                )
+        return sampled
 
     def _fork_row(self, leader: SamplingRow, fork) -> SamplingRow:
         """A parallel sample's row state, started at its first draw from the leader's."""
@@ -291,15 +322,14 @@ class ModelRunner:
         entries = batch.entries
         n = len(entries)
         # Host-side index arithmetic in numpy: a few small arrays per step, where each
-        # torch op would cost more in dispatch than in work.
-        lens = np.fromiter((len(e.token_ids) for e in entries), np.int64, n)
-        start = np.fromiter((e.start for e in entries), np.int64, n)
+        # torch op would cost more in dispatch than in work. One pass over the entries.
+        cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
+        lens, start = cols[:, 0], cols[:, 1]
         seq_lens = start + lens
         bs = self.block_size
         if block_tables is None:
-            rows = np.fromiter((e.row for e in entries), np.int64, n)
             width = int(-(-seq_lens.max() // bs))
-            block_tables = self.block_tables.tables[rows, :width]
+            block_tables = self.block_tables.tables[cols[:, 2], :width]
         num_tokens = int(lens.sum())
         if num_tokens == n:  # all decodes: one token at each start
             seq_index = np.arange(n)
@@ -349,12 +379,3 @@ class ModelRunner:
         context = AttentionContext(self.attention, metadata, kv_caches)
         return self.model(input_ids, positions, context)
 
-
-def _advance(row: SamplingRow, token_id: int) -> None:
-    """A drawn token joins the row's history and moves its grammar."""
-    row.output_token_ids.append(token_id)
-    grammar = row.grammar
-    if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):
-        logger.warning(
-            "request %r: structured-output grammar rejected token %d", row.request_id, token_id
-        )

@@ -76,9 +76,14 @@ class OutputProcessor:
         its whole group."""
         touched: dict[str, Request] = {}
         failed = list(failed)
+        final_only = RequestOutputKind.FINAL_ONLY
         for request, before in progressed:
-            if request.num_output_tokens > before and request not in failed:
-                touched.setdefault(_caller_id(request), request)
+            if len(request.output_token_ids) <= before or request in failed:
+                continue
+            if (request.group is None and request.sampling_params.output_kind is final_only
+                    and not request.is_finished):
+                continue  # nothing due until it ends
+            touched.setdefault(_caller_id(request), request)
         for request in failed:
             touched.setdefault(_caller_id(request), request)
         built = (self.output(request) for request in touched.values())

@@ -6,6 +6,7 @@ look that name up here. Researchers add their own with :func:`register_model`.
 
 from __future__ import annotations
 
+from llmlab import registry
 from llmlab.models.gpt2 import GPT2LMHeadModel
 from llmlab.models.llama import (
     LlamaForCausalLM,
@@ -15,26 +16,31 @@ from llmlab.models.llama import (
 )
 from llmlab.models.opt import OPTForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {
+# The "model" kind of the one component registry (llmlab.registry): architecture -> class.
+MODEL_REGISTRY: dict[str, type] = registry.table("model")
+MODEL_REGISTRY.update({
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
-}
+})
 
 
 def register_model(name: str, cls: type) -> None:
     """Make ``cls`` the implementation of architecture ``name`` (replacing any other).
 
-    ``cls`` must follow :class:`llmlab.models.base.CausalLM`.
+    ``cls`` must follow :class:`llmlab.models.base.CausalLM`; its methods are checked
+    against the model contract (``registry.CONTRACTS["model"]``) here, so a class with a
+    missing method or the wrong call shape is refused with the expected signature.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"architecture name must be a non-empty str, got {name!r}")
     if not isinstance(cls, type):
         message = f"register_model({name!r}, ...) needs a class, got {cls!r}"
         raise ValueError(message)  # noqa: TRY004 (house style: bad arguments are ValueErrors)
+    registry.check("model", cls)
     MODEL_REGISTRY[name] = cls
 
 

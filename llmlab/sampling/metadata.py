@@ -61,6 +61,9 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()
     grammar: Any = None
     generator: torch.Generator | None = None
+    # What the sampler's fast path asks of every row, decided once (parameters are frozen;
+    # the grammar is set when the row starts). See ``llmlab.sampling.sampler``.
+    _plain_greedy: bool | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def num_output_tokens(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 
+from llmlab import registry
 from llmlab.sampling.greedy import argmax_logprob
 from llmlab.sampling.logprobs import TokenLogprobs, gather_logprobs
 from llmlab.sampling.metadata import SamplingMetadata, SamplingRow
@@ -62,6 +63,7 @@ class SamplerOutput:
     )
 
 
+@registry.register("sampler", "default")
 @attrs.define
 class Sampler:
     """Greedy and random sampling for a batch of requests (one new token each).
@@ -102,7 +104,10 @@ class Sampler:
         generator = metadata.generator
         raw = logits.float()
         builtin_only = all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
-        if builtin_only and all(_plain_greedy(r) for r in requests):
+        if builtin_only and all(
+            r._plain_greedy if r._plain_greedy is not None else _plain_greedy(r)
+            for r in requests
+        ):
             # Plain greedy rows, no top-k: one fused pass (on CPU, a C++ kernel).
             tokens, chosen = argmax_logprob(raw)
             return SamplerOutput(tokens.tolist(), chosen.tolist(), [None] * len(requests))
@@ -219,9 +224,13 @@ def _unchanged_greedy(request) -> bool:
     )
 
 
-def _plain_greedy(request) -> bool:
-    """:func:`_unchanged_greedy` and no logprobs asked for: a row the fused argmax serves."""
-    return request.sampling_params.logprobs is None and _unchanged_greedy(request)
+def _plain_greedy(row: SamplingRow) -> bool:
+    """:func:`_unchanged_greedy` and no logprobs asked for: a row the fused argmax serves
+    (remembered on the row)."""
+    plain = row._plain_greedy = (
+        row.sampling_params.logprobs is None and _unchanged_greedy(row)
+    )
+    return plain
 
 
 def _restricts(request) -> bool:

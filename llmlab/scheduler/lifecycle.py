@@ -42,22 +42,26 @@ class Lifecycle:
         served: list[Served] = []
         finished = []
         scheduled = self._scheduled
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
+        running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)
         ):
             request = scheduled[entry.request_id]
-            if request.is_finished:  # aborted while the step ran
+            if request.status is not running:  # aborted while the step ran
                 continue
-            end = entry.start + len(entry.token_ids)
+            start = entry.start
+            end = start + len(entry.token_ids)
             request.num_computed_tokens = end
-            prompt_end = min(end, request.num_prompt_tokens)
-            new_prompt = max(0, prompt_end - max(entry.start, request.num_prompt_computed))
-            request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
-            self.kv.cache_computed_blocks(request)
-            if output.prompt_logprobs is not None and output.prompt_logprobs[i]:
-                request.add_prompt_logprobs(
-                    output.prompt_logprobs_start[i], output.prompt_logprobs[i]
-                )
+            new_prompt = 0
+            if start < entry.num_prompt_tokens:  # prompt positions (first time or again)
+                prompt_end = min(end, entry.num_prompt_tokens)
+                new_prompt = max(0, prompt_end - max(start, request.num_prompt_computed))
+                request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
+            cache_computed_blocks(request)
+            if prompt_logprobs is not None and prompt_logprobs[i]:
+                request.add_prompt_logprobs(output.prompt_logprobs_start[i], prompt_logprobs[i])
             if entry.forks and request.forks:
                 # Before the request's own token: a request that finishes now frees its
                 # blocks, and the forks take them by reference first.
@@ -66,7 +70,7 @@ class Lifecycle:
                         served.append(Served(member.view, 0, 0, 1))
                     if member.is_finished:
                         finished.append(member)
-            tops = output.top_logprobs[i] if output.top_logprobs is not None else None
+            tops = all_tops[i] if all_tops is not None else None
             num_generated = 0
             for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
                 request.append_output(token_id, logprob, tops[j] if tops else None)
@@ -134,15 +138,16 @@ class Lifecycle:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

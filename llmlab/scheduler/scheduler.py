@@ -25,6 +25,7 @@ records a :class:`~llmlab.errors.ComponentError`, and the engine raises it after
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import attrs
@@ -144,7 +145,7 @@ class Scheduler(Lifecycle):
 
         unscheduled = self._running_order(now)
         while unscheduled is not None and unscheduled and budget > 0:
-            request = unscheduled.pop(0)
+            request = unscheduled.popleft()
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             scheduled = self._grow(request, num_new, unscheduled, preempted, now)
             if scheduled is None:  # a component failed: stop scheduling this step
@@ -165,11 +166,11 @@ class Scheduler(Lifecycle):
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
 
-    def _running_order(self, now: float) -> list[Request] | None:
+    def _running_order(self, now: float) -> collections.deque[Request] | None:
         """Running requests in the order they get budget; None if the policy failed."""
         order = self._optional("running_order")
         if order is None or not self.running:
-            return list(self.running)
+            return collections.deque(self.running)
         answer = self._call("running_order", views(self.running), now)
         if answer is _FAILED:
             return None
@@ -179,13 +180,13 @@ class Scheduler(Lifecycle):
         }:
             self._bad_answer("running_order", answer, "a reordering of the running requests")
             return None
-        return ordered
+        return collections.deque(ordered)
 
     def _grow(
         self,
         request: Request,
         num_new: int,
-        unscheduled: list[Request],
+        unscheduled: collections.deque[Request],
         preempted: list[str],
         now: float,
     ) -> bool | None:
@@ -373,19 +374,10 @@ class Scheduler(Lifecycle):
             for f in request.forks:
                 self._scheduled[f.request_id] = f
         return ScheduledRequest(
-            request_id=rid,
-            row=request.row,
-            start=start,
-            token_ids=tuple(request.all_token_ids[start:end]),
-            blocks_from=blocks_from,
-            blocks=blocks,
-            num_scored=1 if scored else 0,
-            setup=setup,
-            forks=forks,
-            prompt_logprobs_from=(
-                len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1
-            ),
-            num_prompt_tokens=len(request.prompt_token_ids),
+            rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
+            blocks, 1 if scored else 0, setup, forks,
+            len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
+            len(request.prompt_token_ids),
         )
 
     # -- user policy calls -------------------------------------------------------------

@@ -89,9 +89,9 @@ def test_rows_are_assigned_at_admission_and_released_explicitly():
     new = [e.row for b in executor.batches for e in b.entries if e.new_row]
     # Every admission got a row that was later released: the last releases wait for the
     # next batch to report them.
-    pending = engine.scheduler._released_rows
+    pending = engine.scheduler._rows.drain_released()
     assert len(new) == len(freed) + len(pending) and sorted(pending) == sorted(executor.live_rows)
-    assert sorted(engine.scheduler._free_rows) == [0, 1, 2]
+    assert engine.scheduler._rows.num_free == 3
 
 
 def test_an_executor_can_return_several_tokens_per_request():
