@@ -288,10 +288,11 @@ class Engine:
             request = batch_requests[entry.request_id] = requests[entry.request_id]
             if entry.num_scored:
                 progressed.append((request, len(request.output_token_ids)))
-                progressed.extend((requests[f.request_id], 0) for f in entry.forks)
+                if entry.forks:
+                    progressed.extend((requests[f.request_id], 0) for f in entry.forks)
         if batch.entries:
             finished = self.scheduler.update(batch, output)
-        for request, before in progressed:
+        for request, before in progressed if self.tokenizer is not None else ():
             if len(request.output_token_ids) > before:
                 matched = self.outputs.stop_string(request, before)
                 if matched is not None and self.scheduler.stop_string(request, matched):

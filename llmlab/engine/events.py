@@ -192,22 +192,15 @@ def step_event(
 ) -> StepEvent:
     """The event of one step, after its commit. ``requests``: the batch's requests by id
     (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
-    # One pass over the entries for every per-entry field (this runs every step).
-    scheduled, users, priorities, num_computed = [], [], [], []
-    num_decode = 0
-    for e in batch.entries:
-        request = requests[e.request_id]
-        scheduled.append((e.request_id, len(e.token_ids)))
-        users.append(request.user)
-        priorities.append(request.priority)
-        num_computed.append(request.num_computed_tokens)
-        if e.is_decode:
-            num_decode += 1
+    # Comprehensions over the entries (this runs every step, for every request).
+    entries = batch.entries
+    scheduled_requests = [requests[e.request_id] for e in entries]
+    num_decode = sum(1 for e in entries if e.is_decode)
     return StepEvent(
         step_index=step_index,
-        scheduled=tuple(scheduled),
-        scheduled_users=tuple(users),
-        scheduled_priorities=tuple(priorities),
+        scheduled=tuple([(e.request_id, len(e.token_ids)) for e in entries]),
+        scheduled_users=tuple([r.user for r in scheduled_requests]),
+        scheduled_priorities=tuple([r.priority for r in scheduled_requests]),
         num_batched_tokens=batch.num_batched_tokens,
         preempted=batch.preempted,
         finished=tuple((r.request_id, r.finish_reason) for r in finished),
@@ -230,7 +223,7 @@ def step_event(
         sampled=sampled,
         arrived=tuple(arrived),
         num_prefill_tokens=batch.num_batched_tokens - num_decode,
-        num_computed=tuple(num_computed),
+        num_computed=tuple([r.num_computed_tokens for r in scheduled_requests]),
         blocks_cached=blocks.cached,
         block_tables=blocks.tables,
     )
