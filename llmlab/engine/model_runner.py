@@ -37,7 +37,12 @@ from llmlab.attention.backend import (
 )
 from llmlab.errors import ComponentError
 from llmlab.sampling.logprobs import gather_logprobs
-from llmlab.sampling.metadata import GrammarFactory, SamplingMetadata, SamplingRow
+from llmlab.sampling.metadata import (
+    GrammarFactory,
+    ParamColumns,
+    SamplingMetadata,
+    SamplingRow,
+)
 from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.batch import BatchOutput, BlockTables, ScheduledBatch, ScheduledRequest
 
@@ -80,6 +85,7 @@ class ModelRunner:
     threads: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
+    param_columns: ParamColumns = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         max_blocks = self.num_kv_blocks
@@ -87,6 +93,7 @@ class ModelRunner:
             max_blocks = min(max_blocks, -(-self.max_model_len // self.block_size))
         self.block_tables = BlockTables(self.max_num_seqs, max_blocks)
         self.rows = [None] * self.max_num_seqs
+        self.param_columns = ParamColumns(self.max_num_seqs)
         create = getattr(self.attention, "create_state", None)
         if create is not None:
             self.attention_state = create(
@@ -159,6 +166,7 @@ class ModelRunner:
                     e.request_id, params, setup.prompt_token_ids,
                     list(setup.output_token_ids), setup.eos_token_ids, grammar,
                 )
+                self.param_columns.set(e.row, params)
             elif rows[e.row] is None:
                 raise ValueError(
                     f"row {e.row} (request {e.request_id!r}) has no state: a row's first "
@@ -178,8 +186,10 @@ class ModelRunner:
             # One scored token per entry (a decode step): every hidden row is sampled, in
             # order, and each entry gets one token.
             rows = self.rows
-            sample_rows = [rows[e.row] for e in entries]
-            sampled = self._draw(self.model.compute_logits(hidden), sample_rows)
+            row_ids = [e.row for e in entries]
+            sampled = self._draw(
+                self.model.compute_logits(hidden), [rows[r] for r in row_ids], row_ids
+            )
             tops = getattr(sampled, "top", None)
             wants_top = tops is not None and any(t is not None for t in tops)
             return BatchOutput(
@@ -191,6 +201,7 @@ class ModelRunner:
         # the request and once more for each parallel sample it forks into.
         scored_rows: list[int] = []
         sample_rows: list[SamplingRow] = []
+        row_ids: list[int] = []
         prompt_scores: list[Any] = [None] * len(batch.entries)
         prompt_starts: list[int] = [0] * len(batch.entries)
         rows = self.rows
@@ -212,8 +223,10 @@ class ModelRunner:
                 scored_rows.extend([offset - 1] * (1 + len(entry.forks)))
                 leader = rows[entry.row]
                 sample_rows.append(leader)
+                row_ids.append(entry.row)
                 for fork in entry.forks:
                     sample_rows.append(self._fork_row(leader, fork))
+                    row_ids.append(fork.row)
         any_prompt = any(p is not None for p in prompt_scores)
         prompt_fields = {
             "prompt_logprobs": tuple(prompt_scores) if any_prompt else None,
@@ -222,7 +235,9 @@ class ModelRunner:
         if not scored_rows:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
-        sampled = self._draw(self.model.compute_logits(hidden[scored_rows]), sample_rows)
+        sampled = self._draw(
+            self.model.compute_logits(hidden[scored_rows]), sample_rows, row_ids
+        )
         tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
         token_ids, logprobs, top_logprobs, forks, j = [], [], [], [], 0
         for entry in batch.entries:
@@ -249,10 +264,11 @@ class ModelRunner:
             **prompt_fields,
         )
 
-    def _draw(self, logits: torch.Tensor, sample_rows: list[SamplingRow]):
+    def _draw(self, logits: torch.Tensor, sample_rows: list[SamplingRow], row_ids: list[int]):
         """Sample one token per row; each joins its row's history (and grammar)."""
         metadata = SamplingMetadata(
-            sample_rows, logits.shape[-1], logits.device, generator=self.generator
+            sample_rows, logits.shape[-1], logits.device, generator=self.generator,
+            columns=self.param_columns, row_ids=np.asarray(row_ids, dtype=np.int64),
         )
         try:
             sampled = self.sampler(logits, metadata)
@@ -283,6 +299,7 @@ class ModelRunner:
             list(leader.output_token_ids), leader.eos_token_ids, grammar,
         )
         self.rows[fork.row] = row
+        self.param_columns.set(fork.row, fork.params)
         return row
 
     def _prompt_logprobs(self, entry: ScheduledRequest, hidden: torch.Tensor, base: int):

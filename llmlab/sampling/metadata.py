@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from llmlab.sampling.params import SamplingParams
@@ -97,6 +98,22 @@ class SamplingRow:
         return gen
 
 
+class ParamColumns:
+    """The numeric sampling parameters of every row as columns (one array per parameter,
+    indexed by row), written once when a row starts: what the processors turn into per-step
+    tensors with one gather instead of a Python pass over the rows' parameters."""
+
+    NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "frequency_penalty", "presence_penalty")
+
+    def __init__(self, num_rows: int) -> None:
+        self.columns = {name: np.zeros(num_rows, dtype=np.float32) for name in self.NAMES}
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        for name, column in self.columns.items():
+            column[row] = getattr(params, name)
+
+
 class GrammarFactory:
     """Builds structured-output matchers for rows; the compiler is created at first use
     (xgrammar is optional) and shared by every thread that asks."""
@@ -149,6 +166,8 @@ class SamplingMetadata:
         device: the logits' device; tensors built here live on it.
         tokenizer: needed by ``bad_words`` (the sampler fills in its own when None).
         generator: the stream unseeded rows share (the executor's).
+        columns, row_ids: the executor's per-row parameter columns and each logits row's
+            scheduler row in them (both None: :meth:`column` reads the parameters).
         params: ``rows[i].sampling_params`` per row.
     """
 
@@ -157,6 +176,8 @@ class SamplingMetadata:
     device: torch.device
     tokenizer: Any = None
     generator: torch.Generator | None = None
+    columns: ParamColumns | None = None
+    row_ids: np.ndarray | None = None
     params: list[SamplingParams] = attrs.field(init=False)
     _cache: dict = attrs.field(init=False, factory=dict, repr=False)
 
@@ -187,7 +208,12 @@ class SamplingMetadata:
         """Rows that draw at random (``temperature > 0``); the others are greedy."""
         rows = self._cache.get("random_rows")
         if rows is None:
-            rows = self._cache["random_rows"] = self.rows_where(lambda p: p.temperature > 0)
+            if self.columns is not None and self.row_ids is not None:
+                temperature = self.columns.columns["temperature"][self.row_ids]
+                rows = np.flatnonzero(temperature > 0).tolist()
+            else:
+                rows = self.rows_where(lambda p: p.temperature > 0)
+            self._cache["random_rows"] = rows
         return rows
 
     def random_rows_where(self, pred: Callable[[SamplingParams], object]) -> list[int]:
@@ -209,6 +235,15 @@ class SamplingMetadata:
         params = self.params
         vals = [get(p) for p in params] if rows is None else [get(params[i]) for i in rows]
         return torch.tensor(vals, dtype=dtype, device=self.device)
+
+    def column(self, name: str, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """``[len(rows)]`` float32 tensor of the numeric parameter ``name`` (one of
+        :attr:`ParamColumns.NAMES`) per row (all rows by default): a gather from the
+        executor's columns when it keeps them, else read from the parameters."""
+        if self.columns is None or self.row_ids is None:
+            return self.values(lambda p: getattr(p, name), rows)
+        ids = self.row_ids if rows is None else self.row_ids[list(rows)]
+        return torch.from_numpy(self.columns.columns[name][ids]).to(self.device)
 
     def output_counts(self, rows: Sequence[int]) -> torch.Tensor:
         """``[len(rows), V]`` float32: how often each token occurs in each row's output."""

@@ -392,7 +392,7 @@ class Penalties:
                 _history_keys(batch, rep_rows, "output_token_ids", vocab),
             ]).unique()
             r, t = keys // vocab, keys % vocab
-            factor = batch.values(lambda p: p.repetition_penalty).to(device)[r]
+            factor = batch.column("repetition_penalty").to(device)[r]
             vals = logits[r, t]
             logits[r, t] = torch.where(vals > 0, vals / factor, vals * factor)
         if out_keys.numel():
@@ -400,9 +400,9 @@ class Penalties:
             r, t = keys // vocab, keys % vocab
             shift = torch.zeros_like(keys, dtype=logits.dtype)
             if any(p.frequency_penalty != 0.0 for p in params):
-                shift += batch.values(lambda p: p.frequency_penalty)[r] * counts
+                shift += batch.column("frequency_penalty")[r] * counts
             if any(p.presence_penalty != 0.0 for p in params):
-                shift += batch.values(lambda p: p.presence_penalty)[r]
+                shift += batch.column("presence_penalty")[r]
             logits[r, t] -= shift
         return logits
 
@@ -426,7 +426,7 @@ class Temperature:
         rows = batch.random_rows_where(lambda p: p.temperature != 1.0)
         if not rows:
             return logits
-        temperature = batch.values(lambda p: p.temperature, rows)
+        temperature = batch.column("temperature", rows)
         return _on_rows(logits, rows, batch, lambda sub: apply_temperature(sub, temperature))
 
 
@@ -458,11 +458,11 @@ class TopP:
         cut = [i for i in rows if 0 < batch.params[i].top_k < vocab]
         full = [i for i in rows if not 0 < batch.params[i].top_k < vocab]
         if cut:
-            top_p = batch.values(lambda p: p.top_p, cut)
+            top_p = batch.column("top_p", cut)
             k = max(batch.params[i].top_k for i in cut)
             logits = _on_rows(logits, cut, batch, lambda sub: apply_top_p(sub, top_p, k))
         if full:
-            top_p = batch.values(lambda p: p.top_p, full)
+            top_p = batch.column("top_p", full)
             logits = _on_rows(logits, full, batch, lambda sub: apply_top_p(sub, top_p))
         return logits
 
@@ -475,7 +475,7 @@ class MinP:
         rows = batch.random_rows_where(lambda p: p.min_p > 0.0)
         if not rows:
             return logits
-        min_p = batch.values(lambda p: p.min_p, rows)
+        min_p = batch.column("min_p", rows)
         return _on_rows(logits, rows, batch, lambda sub: apply_min_p(sub, min_p))
 
 

@@ -395,3 +395,27 @@ def test_plain_greedy_batches_skip_the_pipeline_but_custom_processors_still_run(
     # A greedy row with a bias is not plain: the pipeline runs.
     biased = [make_request([1], temperature=0.0, logit_bias={7: 100.0})] + plain[1:]
     assert Sampler()(logits.clone(), biased).token_ids[0] == 7
+
+
+def test_parameter_columns_give_what_the_parameters_say():
+    """The executor's per-row columns (set once per row) and a pass over the parameters
+    give the same per-row tensors and the same random rows, whatever the row order."""
+    import numpy as np
+
+    from llmlab.sampling.metadata import ParamColumns, SamplingMetadata, SamplingRow
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.3, min_p=0.1, repetition_penalty=1.2,
+                             frequency_penalty=0.5, presence_penalty=-0.25)]
+    columns = ParamColumns(8)
+    scheduler_rows = [5, 2, 7]
+    for row, p in zip(scheduler_rows, params, strict=True):
+        columns.set(row, p)
+    rows = [SamplingRow(f"r{i}", p, (1,)) for i, p in enumerate(params)]
+    plain = SamplingMetadata(rows, V, torch.device("cpu"))
+    gathered = SamplingMetadata(rows, V, torch.device("cpu"), columns=columns,
+                                row_ids=np.asarray(scheduler_rows))
+    for name in ParamColumns.NAMES:
+        torch.testing.assert_close(gathered.column(name), plain.column(name))
+        torch.testing.assert_close(gathered.column(name, [2, 0]), plain.column(name, [2, 0]))
+    assert gathered.random_rows == plain.random_rows == [1, 2]
