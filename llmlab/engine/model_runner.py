@@ -43,7 +43,7 @@ from llmlab.sampling.metadata import (
     SamplingMetadata,
     SamplingRow,
 )
-from llmlab.sampling.sampler import Sampler
+from llmlab.sampling.sampler import Sampler, SamplerOutput
 from llmlab.scheduler.batch import BatchOutput, BlockTables, ScheduledBatch, ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -187,16 +187,18 @@ class ModelRunner:
             # order, and each entry gets one token.
             rows = self.rows
             row_ids = [e.row for e in entries]
-            sampled = self._draw(
+            sampled, failed = self._draw(
                 self.model.compute_logits(hidden), [rows[r] for r in row_ids], row_ids
             )
-            tops = getattr(sampled, "top", None)
-            wants_top = tops is not None and any(t is not None for t in tops)
-            return BatchOutput(
-                tuple((t,) for t in sampled.token_ids),
-                tuple((lp,) for lp in sampled.logprobs),
-                top_logprobs=tuple((t,) for t in tops) if wants_top else None,
-            )
+            if failed is None:
+                tops = getattr(sampled, "top", None)
+                wants_top = tops is not None and any(t is not None for t in tops)
+                return BatchOutput(
+                    tuple((t,) for t in sampled.token_ids),
+                    tuple((lp,) for lp in sampled.logprobs),
+                    top_logprobs=tuple((t,) for t in tops) if wants_top else None,
+                )
+            return self._output(batch, sampled, failed, {})
         # Rows of ``hidden`` to sample from: each scoring entry's last position, once for
         # the request and once more for each parallel sample it forks into.
         scored_rows: list[int] = []
@@ -235,37 +237,75 @@ class ModelRunner:
         if not scored_rows:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
-        sampled = self._draw(
+        sampled, failed = self._draw(
             self.model.compute_logits(hidden[scored_rows]), sample_rows, row_ids
         )
+        return self._output(batch, sampled, failed, prompt_fields)
+
+    def _output(self, batch: ScheduledBatch, sampled, failed, prompt_fields) -> BatchOutput:
+        """Per entry, its token (and its forks' samples) from the sampled rows, in order;
+        an entry whose row, or one of whose forks' rows, failed gets no tokens and its
+        failure."""
         tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
-        token_ids, logprobs, top_logprobs, forks, j = [], [], [], [], 0
+        token_ids, logprobs, top_logprobs, forks, reasons, j = [], [], [], [], [], 0
         for entry in batch.entries:
             if not entry.num_scored:
                 token_ids.append(())
                 logprobs.append(())
                 top_logprobs.append(())
                 forks.append(())
+                reasons.append(None)
                 continue
-            token_ids.append((sampled.token_ids[j],))
-            logprobs.append((sampled.logprobs[j],))
-            top_logprobs.append((tops[j],))
-            j += 1
-            samples = []
-            for _ in entry.forks:
-                samples.append((sampled.token_ids[j], sampled.logprobs[j], tops[j]))
-                j += 1
-            forks.append(tuple(samples))
+            first, j = j, j + 1 + len(entry.forks)
+            reason = None if failed is None else next(
+                (failed[k] for k in range(first, j) if failed[k] is not None), None
+            )
+            reasons.append(reason)
+            if reason is not None:
+                token_ids.append(())
+                logprobs.append(())
+                top_logprobs.append(())
+                forks.append(())
+                continue
+            token_ids.append((sampled.token_ids[first],))
+            logprobs.append((sampled.logprobs[first],))
+            top_logprobs.append((tops[first],))
+            forks.append(tuple(
+                (sampled.token_ids[k], sampled.logprobs[k], tops[k]) for k in range(first + 1, j)
+            ))
         return BatchOutput(
             tuple(token_ids),
             tuple(logprobs),
             top_logprobs=tuple(top_logprobs) if any(t is not None for t in tops) else None,
             forks=tuple(forks) if any(forks) else None,
+            failed=tuple(reasons) if failed is not None else None,
             **prompt_fields,
         )
 
     def _draw(self, logits: torch.Tensor, sample_rows: list[SamplingRow], row_ids: list[int]):
-        """Sample one token per row; each joins its row's history (and grammar)."""
+        """Sample one token per row; each joins its row's history (and grammar). Returns
+        ``(sampled, failed)``: ``failed`` is None, or per row why the sampler failed for
+        that row alone (:meth:`_isolate`)."""
+        try:
+            sampled = self._sample_rows(logits, sample_rows, row_ids)
+        except Exception as err:
+            sampled, failed = self._isolate(logits, sample_rows, row_ids, err)
+        else:
+            failed = None
+        for k, (row, token_id) in enumerate(zip(sample_rows, sampled.token_ids)):
+            if failed is not None and failed[k] is not None:
+                continue
+            row.output_token_ids.append(token_id)
+            grammar = row.grammar
+            if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):
+                logger.warning(
+                    "request %r: structured-output grammar rejected token %d",
+                    row.request_id, token_id,
+                )
+        return sampled, failed
+
+    def _sample_rows(self, logits: torch.Tensor, sample_rows: list[SamplingRow],
+                     row_ids: list[int]):
         metadata = SamplingMetadata(
             sample_rows, logits.shape[-1], logits.device, generator=self.generator,
             columns=self.param_columns, row_ids=np.asarray(row_ids, dtype=np.int64),
@@ -275,19 +315,43 @@ class ModelRunner:
         except Exception as err:
             raise ComponentError.wrap("sampler", self.sampler, "__call__", err) from err
         if len(sampled.token_ids) != len(sample_rows):
-            raise ValueError(
-                f"the sampler returned {len(sampled.token_ids)} tokens for "
-                f"{len(sample_rows)} rows"
+            raise ComponentError(
+                "sampler", self.sampler, "__call__",
+                f"returned {len(sampled.token_ids)} tokens for {len(sample_rows)} rows",
             )
-        for row, token_id in zip(sample_rows, sampled.token_ids):
-            row.output_token_ids.append(token_id)
-            grammar = row.grammar
-            if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):
-                logger.warning(
-                    "request %r: structured-output grammar rejected token %d",
-                    row.request_id, token_id,
-                )
         return sampled
+
+    def _isolate(self, logits, sample_rows, row_ids, err: Exception):
+        """The sampler failed for the batch: sample each row alone, to find whose request
+        it was (a per-request logits processor, a grammar). Rows that fail alone fail their
+        request only, if the request brought something of its own into sampling; when a row
+        with nothing of its own fails too, the failure is the sampler's, and the step
+        fails."""
+        if not any(_is_per_request(row) for row in sample_rows):
+            raise err
+        token_ids, logprobs, tops, failed = [], [], [], []
+        for k, row in enumerate(sample_rows):
+            try:
+                one = self._sample_rows(logits[k : k + 1], [row], row_ids[k : k + 1])
+            except Exception as row_err:  # noqa: BLE001 - attributed to this request
+                cause = row_err.__cause__ or row_err
+                failed.append(f"{type(cause).__name__}: {cause}")
+                token_ids.append(0)
+                logprobs.append(float("nan"))
+                tops.append(None)
+                continue
+            failed.append(None)
+            token_ids.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+            tops.append((getattr(one, "top", None) or [None])[0])
+        if any(f is not None and not _is_per_request(row)
+               for f, row in zip(failed, sample_rows, strict=True)):
+            raise err  # a row with nothing of its own failed too: the sampler's failure
+        logger.warning(
+            "the sampler failed for %d of %d rows; those requests fail, the rest go on: %s",
+            sum(f is not None for f in failed), len(failed), err,
+        )
+        return SamplerOutput(token_ids, logprobs, tops), failed
 
     def _fork_row(self, leader: SamplingRow, fork) -> SamplingRow:
         """A parallel sample's row state, started at its first draw from the leader's."""
@@ -396,3 +460,9 @@ class ModelRunner:
         context = AttentionContext(self.attention, metadata, kv_caches)
         return self.model(input_ids, positions, context)
 
+
+def _is_per_request(row: SamplingRow) -> bool:
+    """Whether the request brings code or constraints of its own into sampling (custom
+    logits processors, a grammar, bad words): what a failure can be blamed on."""
+    params = row.sampling_params
+    return bool(params.logits_processors or row.grammar is not None or params.bad_words)

@@ -240,6 +240,10 @@ class BatchOutput:
             ``prompt_logprobs`` scores.
         forks: per entry, one ``(token_id, logprob, TokenLogprobs | None)`` per request in
             the entry's ``forks``; None when no entry forks.
+        failed: per entry, why execution failed for that request alone (its own logits
+            processor raised, say), or None; None when every entry went through. The
+            scheduler ends a failed request (aborted, with the reason) and the rest of
+            the batch goes on.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -248,6 +252,7 @@ class BatchOutput:
     prompt_logprobs: tuple[tuple[Any, ...] | None, ...] | None = None
     prompt_logprobs_start: tuple[int, ...] | None = None
     forks: tuple[tuple[tuple[int, float, Any], ...], ...] | None = None
+    failed: tuple[str | None, ...] | None = None
 
     @classmethod
     def from_lists(
@@ -268,7 +273,11 @@ class BatchOutput:
                 f"executor returned {len(self.token_ids)} token lists and "
                 f"{len(self.logprobs)} logprob lists for {n} entries"
             )
+        if self.failed is not None and len(self.failed) != n:
+            raise ValueError(f"executor returned {len(self.failed)} failure slots for {n} entries")
         for i, entry in enumerate(batch.entries):
+            if self.failed is not None and self.failed[i] is not None:
+                continue  # a failed entry carries no tokens
             if entry.forks and (self.forks is None or len(self.forks[i]) != len(entry.forks)):
                 got = None if self.forks is None else len(self.forks[i])
                 raise ValueError(

@@ -44,12 +44,17 @@ class Lifecycle:
         scheduled = self._scheduled
         cache_computed_blocks = self.kv.cache_computed_blocks
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
+        failures = output.failed
         running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)
         ):
             request = scheduled[entry.request_id]
             if request.status is not running:  # aborted while the step ran
+                continue
+            if failures is not None and failures[i] is not None:
+                # This request alone failed in execution: it ends; the batch goes on.
+                self._fail(request, f"request {request.request_id!r} failed: {failures[i]}")
                 continue
             start = entry.start
             end = start + len(entry.token_ids)
@@ -181,7 +186,8 @@ class Lifecycle:
         self._free_blocks(request)
 
     def _fail(self, request: Request, reason: str) -> None:
-        """End a request that can never be scheduled (aborted, with ``error`` set)."""
+        """End a request that failed on its own: it can never be scheduled, or execution
+        failed for it alone (aborted, with ``error`` set; reported after the step)."""
         if request in self.running:
             self.running.remove(request)
         self._waiting.pop(request.request_id, None)
