@@ -183,7 +183,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     app = build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
-                    chat_template=chat_template, allowed_origins=origins)
+                    chat_template=chat_template, allowed_origins=origins,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    open_metrics=args.open_metrics, open_docs=args.open_docs)
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown; open streams get a few seconds,
@@ -300,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="name(s) clients use for the model (default: MODEL as given)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (off: a template is code "
+                            "the server runs; vLLM's flag)")
+    serve.add_argument("--open-metrics", action="store_true",
+                       help="serve /metrics without the API key")
+    serve.add_argument("--open-docs", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json without the API key")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
                        help='CORS origins: a list, or a JSON list such as \'["*"]\'')
     serve.add_argument("--log-level", default="info",

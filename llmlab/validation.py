@@ -152,10 +152,23 @@ def as_bool(field: str, value: object, *, allow_none: bool = False) -> bool | No
     raise TypeError(f"{field} must be {kind}, got {_got(value)}")
 
 
+def check_encodable(field: str, text: str) -> str:
+    """``text`` if it is valid Unicode (encodes as UTF-8): a lone surrogate such as
+    ``"\\ud800"``, which JSON can carry, is refused naming the field and the position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{field} is not valid Unicode text: {ascii(text[err.start:err.end])} at position "
+            f"{err.start} is a lone surrogate (only whole characters are allowed)"
+        ) from None
+    return text
+
+
 def as_str(
     field: str, value: object, *, allow_none: bool = False, allow_empty: bool = True
 ) -> str | None:
-    """``value`` as a ``str``; ``allow_empty=False`` also rejects ``""``."""
+    """``value`` as a ``str`` of valid Unicode; ``allow_empty=False`` also rejects ``""``."""
     if value is None and allow_none:
         return None
     kind = "a str" if allow_empty else "a non-empty str"
@@ -163,7 +176,7 @@ def as_str(
         raise TypeError(f"{field} must be {_or_none(kind, allow_none)}, got {_got(value)}")
     if not value and not allow_empty:
         raise ValueError(f"{field} must be {_or_none(kind, allow_none)}, got {value!r}")
-    return str(value)  # a str subclass becomes a plain str
+    return check_encodable(field, str(value))  # a str subclass becomes a plain str
 
 
 def as_choice(field: str, value: object, choices: Iterable[str]) -> str:

@@ -19,9 +19,15 @@ import attrs
 from llmlab.request import Request, SampleGroup
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
-from llmlab.validation import as_int, as_real, as_token_ids
+from llmlab.sampling.processors import tokenize_bad_words
+from llmlab.validation import as_int, as_real, as_token_ids, check_encodable
 
 PromptType = str | dict | Sequence[int]
+
+# Characters of prompt text allowed per token of max_model_len, checked before tokenizing:
+# tokenizing a huge text costs seconds of CPU and gigabytes that are never given back, and
+# no tokenizer packs more than a few dozen characters of real text into a token.
+CHARS_PER_TOKEN = 32
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -164,6 +170,15 @@ class InputProcessor:
             for field in ("stop", "bad_words"):
                 if getattr(params, field):
                     raise ValueError(f"{field} needs a tokenizer (skip_tokenizer_init=True)")
+        elif params.bad_words:
+            # Tokenized here, once, so a word the tokenizer cannot take fails this request
+            # now instead of the sampler's step shared with every other request.
+            try:
+                tokenize_bad_words(params.bad_words, self.tokenizer)
+            except Exception as err:  # noqa: BLE001 - whatever the tokenizer raises
+                raise ValueError(
+                    f"bad_words could not be tokenized: {type(err).__name__}: {err}"
+                ) from err
         elif params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         if params.structured_outputs is not None and self.tokenizer is None:
@@ -197,6 +212,14 @@ class InputProcessor:
                 raise ValueError("prompt is empty: it must contain at least one character")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
+            limit = self.max_model_len * CHARS_PER_TOKEN
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, more than the {limit} allowed "
+                    f"({CHARS_PER_TOKEN} per token of max_model_len={self.max_model_len}), "
+                    "checked before tokenizing"
+                )
+            check_encodable("prompt", prompt)
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             raise TypeError(
@@ -253,13 +276,20 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    max_chars: int | None = None,
 ) -> list[dict]:
     """Render conversations with ``tokenizer``'s chat template (or ``chat_template``):
     ``{"prompt": text, "prompt_token_ids": ids}`` per conversation (see
-    ``LLM.render_chat``; the server renders chat requests with this too)."""
+    ``LLM.render_chat``; the server renders chat requests with this too). A rendered text
+    longer than ``max_chars`` is refused before it is tokenized."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (the LLM was built with skip_tokenizer_init)")
     conversations = _as_conversations(messages)
+    for i, conversation in enumerate(conversations):
+        for j, message in enumerate(conversation):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_encodable(f"messages[{j}].{key}", value)
     if add_generation_prompt and continue_final_message:
         raise ValueError(
             "add_generation_prompt and continue_final_message exclude each other; set "
@@ -287,6 +317,11 @@ def render_chat(
             tokenize=False,
             **(chat_template_kwargs or {}),
         )
+        if max_chars is not None and len(text) > max_chars:
+            raise ValueError(
+                f"the chat template rendered {len(text)} characters, more than the "
+                f"{max_chars} allowed (a prompt that long could never fit max_model_len)"
+            )
         has_bos = bool(bos) and text.startswith(bos)
         ids = tokenizer.encode(text, add_special_tokens=not has_bos)
         prompts.append({"prompt": text, "prompt_token_ids": ids})

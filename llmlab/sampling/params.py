@@ -29,6 +29,7 @@ from llmlab.validation import (
     as_seed,
     as_str,
     as_token_ids,
+    check_encodable,
     freeze_json,
 )
 
@@ -89,7 +90,7 @@ def _strings(field: str, value: object) -> tuple[str, ...]:
             raise TypeError(f"{field}[{i}] must be a str, got {type(s).__name__} {s!r}")
         if not s:
             raise ValueError(f"{field}[{i}] is an empty string; each entry must be non-empty")
-        out.append(str(s))
+        out.append(check_encodable(f"{field}[{i}]", str(s)))
     return tuple(out)
 
 
@@ -180,6 +181,7 @@ def _json_schema(value: object) -> str | dict | None:
     if value is None:
         return None
     if isinstance(value, str):
+        check_encodable("structured_outputs.json", value)
         try:
             json.loads(value)
         except ValueError as err:
@@ -187,6 +189,8 @@ def _json_schema(value: object) -> str | dict | None:
         return value
     # Frozen (read-only mappings, arrays as tuples): parameters are shared, immutable data.
     if isinstance(value, Mapping):
+        check_encodable("structured_outputs.json", json.dumps(value, ensure_ascii=False,
+                                                              default=str))
         return freeze_json(dict(value))
     schema = getattr(value, "model_json_schema", None)  # a pydantic model class
     if callable(schema):

@@ -22,6 +22,7 @@ dependency (``request.app.state.serving``). A new endpoint is one route function
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -62,18 +63,26 @@ def build_app(
     chat_template: str | None = None,
     allowed_origins: Sequence[str] = (),
     shutdown_engine: bool = True,
+    trust_request_chat_template: bool = False,
+    open_metrics: bool = False,
+    open_docs: bool = False,
 ):
     """The FastAPI app serving ``engine``.
 
     ``served_model_names``: the names clients use (the first is the default for requests
-    that name none). ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1``
-    routes. ``chat_template``: overrides the tokenizer's. ``allowed_origins``: CORS
-    origins. ``shutdown_engine``: stop the engine's loop when the app shuts down.
+    that name none). ``api_key``: required as ``Authorization: Bearer KEY`` on the ``/v1``
+    routes, ``/tokenize`` and ``/detokenize``, and on ``/metrics`` and the API docs
+    (``/docs``, ``/redoc``, ``/openapi.json``) unless ``open_metrics`` / ``open_docs``;
+    ``/health`` and ``/version`` are always open. ``chat_template``: overrides the
+    tokenizer's. ``trust_request_chat_template``: accept a ``chat_template`` in requests
+    (off: a template is code the server runs). ``allowed_origins``: CORS origins.
+    ``shutdown_engine``: stop the engine's loop when the app shuts down.
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_names must be non-empty strings, got {names!r}")
-    serving = OpenAIServing(engine, names, model_path=model_path, chat_template=chat_template)
+    serving = OpenAIServing(engine, names, model_path=model_path, chat_template=chat_template,
+                            trust_request_chat_template=trust_request_chat_template)
     metrics = EngineMetrics(names[0])
     engine.engine.subscribe(metrics)
 
@@ -104,7 +113,12 @@ def build_app(
             allow_methods=["*"], allow_headers=["*"],
         )
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        protected = set(_KEYED_PATHS)
+        if not open_metrics:
+            protected.add("/metrics")
+        if not open_docs:
+            protected.update(_DOC_PATHS)
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, paths=frozenset(protected))
 
     # Declares the bearer scheme in /openapi.json; the middleware above enforces it (before
     # the body is even read, so a bad key is a 401 whatever the body holds).
@@ -117,8 +131,16 @@ def build_app(
 # -- errors -----------------------------------------------------------------------------
 
 
+class _ErrorJSON(JSONResponse):
+    """Errors as ASCII JSON: a message that quotes the client's own text (a lone
+    surrogate included) is still a valid body."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return _ErrorJSON(err.body(), status_code=err.status)
 
 
 async def _api_error(request: Request, err: APIError):
@@ -289,17 +311,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-class _APIKeyMiddleware:
-    """Require ``Authorization: Bearer KEY`` on every ``/v1`` route (pure ASGI, so the key is
-    checked before the body is read)."""
+# Outside /v1, the paths the API key guards: the tokenizer endpoints always, the metrics
+# and the API docs unless opened (build_app).
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+_DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
-    def __init__(self, app, api_key: str) -> None:
+
+class _APIKeyMiddleware:
+    """Require ``Authorization: Bearer KEY`` on every ``/v1`` route and on ``paths`` (pure
+    ASGI, so the key is checked before the body is read)."""
+
+    def __init__(self, app, api_key: str, paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.paths = paths
 
     async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
-            scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+            path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.paths
         ):
             await self.app(scope, receive, send)
             return

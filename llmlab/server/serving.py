@@ -16,11 +16,12 @@ arguments), ``responses.py`` (engine outputs as responses and SSE streams) and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 import attrs
 
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from llmlab.engine.inputs import render_chat
+from llmlab.engine.inputs import CHARS_PER_TOKEN, render_chat
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, bad_request
@@ -33,6 +34,7 @@ from llmlab.server.request_params import (
     _unsupported,
 )
 from llmlab.server.responses import _ChatRun, _CompletionRun, _until_disconnected
+from llmlab.validation import check_encodable
 
 
 @attrs.define
@@ -41,14 +43,32 @@ class _Prompt:
     token_ids: list[int]
 
 
+
 @attrs.define
 class OpenAIServing:
-    """The endpoints' logic, independent of the web framework."""
+    """The endpoints' logic, independent of the web framework.
+
+    Attributes:
+        trust_request_chat_template: accept a request's own ``chat_template`` (off by
+            default, as in vLLM: a template is code the server runs).
+        template_timeout_s: the longest a chat template may take to render; templates
+            render on ``template_workers`` threads of their own, so a slow one can hold
+            neither the engine loop nor the threads other requests tokenize on.
+    """
 
     engine: AsyncEngine
     model_names: list[str]
     model_path: str | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    template_timeout_s: float = 10.0
+    template_workers: int = 2
+    _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._templates = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.template_workers, thread_name_prefix="llmlab-chat-template"
+        )
 
     @property
     def tokenizer(self):
@@ -62,6 +82,10 @@ class OpenAIServing:
         """The served name the request is for; 404 for a model this server does not serve."""
         if model is None or model == "":
             return self.model_names[0]
+        try:
+            check_encodable("model", model)
+        except ValueError as err:
+            raise APIError(str(err), param="model") from None
         if model not in self.model_names:
             raise APIError(
                 f"The model `{model}` does not exist; this server serves "
@@ -69,6 +93,21 @@ class OpenAIServing:
                 status=404, param="model", code="model_not_found",
             )
         return model
+
+    def _check_text(self, field: str, text: str) -> None:
+        """Prompt text is bounded and valid Unicode before it is tokenized (tokenizing a
+        huge text costs a minute of CPU and memory that is never given back)."""
+        limit = self.max_model_len * CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise APIError(
+                f"{field} has {len(text)} characters, more than the {limit} allowed "
+                f"({CHARS_PER_TOKEN} per token of max_model_len={self.max_model_len})",
+                param=field,
+            )
+        try:
+            check_encodable(field, text)
+        except ValueError as err:
+            raise APIError(str(err), param=field) from None
 
     def models(self) -> p.ModelList:
         created = p.now()
@@ -125,6 +164,7 @@ class OpenAIServing:
                                    param="prompt")
                 if self.tokenizer is None:
                     raise APIError("text prompts need a tokenizer", param="prompt")
+                self._check_text("prompt", item)
                 ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
                 prompts.append(_Prompt(item, list(ids)))
             else:
@@ -155,7 +195,7 @@ class OpenAIServing:
             if request.top_logprobs < 0:
                 raise APIError(f"top_logprobs must be >= 0, got {request.top_logprobs}",
                                param="top_logprobs")
-        prompt = await asyncio.to_thread(self._chat_prompt, request)
+        prompt = await self._render(request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -175,7 +215,35 @@ class OpenAIServing:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)
 
+    async def _render(self, request) -> _Prompt:
+        """The request's chat prompt, rendered on the template threads within the timeout."""
+        future = self._templates.submit(self._chat_prompt, request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future),
+                                          self.template_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                f"the chat template took longer than {self.template_timeout_s:g} s to render",
+                param="chat_template",
+            ) from None
+
+    def render_sync(self, request) -> _Prompt:
+        """:meth:`_render` for callers already on a worker thread (``/tokenize``)."""
+        future = self._templates.submit(self._chat_prompt, request)
+        try:
+            return future.result(timeout=self.template_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise APIError(
+                f"the chat template took longer than {self.template_timeout_s:g} s to render",
+                param="chat_template",
+            ) from None
+
     def _chat_prompt(self, request) -> _Prompt:
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                "this server does not accept a chat_template in requests (start it with "
+                "--trust-request-chat-template to allow them)", param="chat_template",
+            )
         messages = [
             {"role": m.role, "content": _message_text(m) or "",
              **({"name": m.name} if m.name else {})}
@@ -190,6 +258,7 @@ class OpenAIServing:
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                max_chars=self.max_model_len * CHARS_PER_TOKEN,
             )[0]
         except (ValueError, TypeError) as err:
             raise bad_request(err, _fields(request)) from err
@@ -209,8 +278,9 @@ class OpenAIServing:
         if request.messages is not None:
             if not request.messages:
                 raise APIError("messages is empty", param="messages")
-            ids = self._chat_prompt(request).token_ids
+            ids = self.render_sync(request).token_ids
         else:
+            self._check_text("prompt", request.prompt)
             ids = list(self.tokenizer.encode(request.prompt,
                                              add_special_tokens=request.add_special_tokens))
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None

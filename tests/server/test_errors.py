@@ -133,9 +133,33 @@ def test_api_key(tiny_llama):
                                  headers={"Authorization": "Bearer s3cret"}, timeout=30)
             assert good.status_code == (400 if body is None and method == "POST" else 200)
         assert httpx.get(f"{url}/health").status_code == 200  # open
-        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/version").status_code == 200
+        # The tokenizer endpoints, the metrics and the API docs need the key too (issue 22).
+        key = {"Authorization": "Bearer s3cret"}
+        for method, route, body in [("POST", "/tokenize", {"prompt": "hi"}),
+                                    ("POST", "/detokenize", {"tokens": [1, 2]}),
+                                    ("GET", "/metrics", None), ("GET", "/docs", None),
+                                    ("GET", "/openapi.json", None), ("GET", "/redoc", None)]:
+            r = httpx.request(method, url + route, json=body, timeout=30)
+            assert r.status_code == 401, route
+            r = httpx.request(method, url + route, json=body, headers=key, timeout=30)
+            assert r.status_code == 200, (route, r.text)
         openai = pytest.importorskip("openai")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert client.models.list().data[0].id == "tiny"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_metrics_and_docs_can_be_opened_while_the_rest_keeps_the_key(tiny_llama):
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], api_key="s3cret", open_metrics=True,
+                    open_docs=True)
+    with running(app) as url:
+        for route in ("/metrics", "/docs", "/openapi.json"):
+            assert httpx.get(url + route, timeout=30).status_code == 200, route
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 401
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401

@@ -227,14 +227,25 @@ def test_tokenize_detokenize_version_health(served, reference):
     assert "422" not in schema["paths"]["/v1/completions"]["post"]["responses"]
 
 
-def test_request_chat_template_and_kwargs(client, reference):
+def test_request_chat_template_and_kwargs(client, reference, served):
+    import openai
+
     template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}]{% endfor %}{{ tail }}"
     params = SamplingParams(max_tokens=6, **GREEDY)
     want = reference.chat(MESSAGES, params, use_tqdm=False, chat_template=template,
                           chat_template_kwargs={"tail": ">>"})[0]
-    got = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=6, **GREEDY,
-        extra_body={"chat_template": template, "chat_template_kwargs": {"tail": ">>"}})
+    extra = {"chat_template": template, "chat_template_kwargs": {"tail": ">>"}}
+    # Off by default (a template is code the server runs): refused, naming the flag.
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                       **GREEDY, extra_body=extra)
+    serving = served[1].state.serving
+    serving.trust_request_chat_template = True  # what --trust-request-chat-template sets
+    try:
+        got = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=6, **GREEDY, extra_body=extra)
+    finally:
+        serving.trust_request_chat_template = False
     assert got.choices[0].message.content == want.outputs[0].text
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     assert want.prompt.endswith("]>>")

@@ -1,0 +1,129 @@
+"""What one small request must not do to ``llmlab serve`` (issue 22): each finding of the
+edge probe, refused at the edge with a 400 naming the field, while the server goes on."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from llmlab import LLM, SamplingParams
+from tests.server.conftest import running
+
+COMP, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def post(url: str, body: dict, timeout: float = 30) -> httpx.Response:
+    """POST ``body`` as ASCII JSON: a lone surrogate travels as ``\\udXXX``, as a client in
+    another language would send it (httpx refuses to encode one itself)."""
+    return httpx.post(url, content=json.dumps(body), timeout=timeout,
+                      headers={"Content-Type": "application/json"})
+
+
+def _ok(url: str) -> None:
+    r = httpx.post(url + COMP, json={"model": "tiny", "prompt": "still here", "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_request_chat_template_is_refused_by_default(served):
+    url, _ = served
+    bomb = {"messages": MSG, "chat_template": "{{ 'x' * 4*10**7 }}"}
+    for route, body in (("/tokenize", bomb), (CHAT, {**bomb, "max_tokens": 2})):
+        r = httpx.post(url + route, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "chat_template" and "trust-request-chat-template" in error[
+            "message"]
+    _ok(url)
+
+
+def test_a_trusted_template_is_bounded_in_size_and_time(tiny_llama):
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
+    app.state.serving.template_timeout_s = 0.5
+    huge = {"messages": MSG, "chat_template": "{% for i in range(100000) %}xxxxx{% endfor %}"}
+    # Seconds of Jinja loops, not hours: the thread it holds finishes soon after the test.
+    slow = {"messages": MSG, "chat_template":
+            "{% set ns = namespace(n=0) %}{% for i in range(500) %}{% for j in range(1000) %}"
+            "{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}hi"}
+    with running(app) as url:
+        r = httpx.post(f"{url}/tokenize", json=huge, timeout=30)
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        start = time.monotonic()
+        r = httpx.post(f"{url}/tokenize", json=slow, timeout=30)
+        assert r.status_code == 400 and "took longer than 0.5 s" in r.text, r.text
+        assert time.monotonic() - start < 5
+        _ok(url)  # completions, and the engine, are not held by the template threads
+        r = httpx.post(url + CHAT, json={**slow, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(served):
+    url, _ = served
+    prompt = "word " * 2_000_000  # 10 MB
+    for route, body in ((COMP, {"prompt": prompt, "max_tokens": 2}),
+                        ("/tokenize", {"prompt": prompt})):
+        start = time.monotonic()
+        r = httpx.post(url + route, json=body, timeout=60)
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - start < 5  # tokenizing it took a minute
+    _ok(url)
+
+
+@pytest.mark.parametrize("route, body", [
+    (COMP, {"prompt": "hi", "max_tokens": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2}),
+    ("/tokenize", {"prompt": "hi"}),
+    ("/detokenize", {"tokens": [1]}),
+])
+def test_a_lone_surrogate_in_model_is_a_400(served, route, body):
+    url, _ = served
+    r = post(url + route, {**body, "model": "\ud800"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("field, body", [
+    ("bad_words", {"prompt": "hi", "bad_words": ["\ud800"]}),
+    ("stop", {"prompt": "hi", "stop": ["ok", "\ud800"]}),
+    ("prompt", {"prompt": "a\ud800b"}),
+    ("messages", {"messages": [{"role": "user", "content": "\udfff"}]}),
+])
+def test_text_that_is_not_unicode_is_refused_at_the_edge(served, field, body):
+    url, app = served
+    route = CHAT if "messages" in body else COMP
+    r = post(url + route, {**body, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+    assert app.state.engine.num_open_requests == 0  # nothing was queued
+    _ok(url)
+
+
+def test_bad_words_are_tokenized_when_the_request_is_prepared(tiny_llama):
+    engine = LLM(tiny_llama, dtype="float32").llm_engine
+
+    class Refuses:
+        """A tokenizer that cannot take one word (as a real one may)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def encode(self, text, **kwargs):
+            if "forbidden" in text:
+                raise RuntimeError("cannot tokenize this")
+            return self.inner.encode(text, **kwargs)
+
+    engine.inputs.tokenizer = Refuses(engine.tokenizer)
+    with pytest.raises(ValueError, match="bad_words could not be tokenized"):
+        engine.add_request("a", "hello", SamplingParams(bad_words=["forbidden"]))
+    assert not engine.has_unfinished_requests()
