@@ -26,6 +26,7 @@ class _Reported:
 
     detokenizer: IncrementalDetokenizer | None = None
     num_reported_tokens: int = 0
+    finish_reported: bool = False  # a DELTA stream says a sample finished once
     num_reported_prompt_logprobs: int = 0
     logprob_dicts: list = attrs.field(factory=list)
     prompt_logprob_dicts: list = attrs.field(factory=list)
@@ -135,9 +136,11 @@ class OutputProcessor:
         state = self._reported[request.request_id]
         detok = state.detokenizer
         start = state.num_reported_tokens if delta else 0
-        if delta and start == request.num_output_tokens and not request.is_finished:
-            return None
         finished = request.is_finished
+        if delta and start == request.num_output_tokens and (
+            not finished or state.finish_reported
+        ):
+            return None  # nothing new (a finished sample's end was already reported)
         if detok is None:
             text = ""
         elif delta:
@@ -149,6 +152,7 @@ class OutputProcessor:
             logprobs = self._logprob_dicts(request)[start:]
         if delta:
             state.num_reported_tokens = request.num_output_tokens
+            state.finish_reported = finished
         return CompletionOutput(
             index=index,
             text=text,

@@ -15,6 +15,7 @@ and resumed on another row, nor on which process runs it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -116,12 +117,24 @@ class ParamColumns:
 
 class GrammarFactory:
     """Builds structured-output matchers for rows; the compiler is created at first use
-    (xgrammar is optional) and shared by every thread that asks."""
+    (xgrammar is optional) and shared by every thread that asks.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    Attributes:
+        compile_timeout_s: the longest :meth:`compile` waits. Compiles run on
+            ``compile_workers`` threads of their own, so a schema that compiles for
+            minutes holds neither the caller nor more than those threads; one that times
+            out is refused (its compile finishes in the background and is cached).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 compile_timeout_s: float = 10.0, compile_workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=compile_workers, thread_name_prefix="llmlab-grammar"
+        )
         self._backend = None
         self._lock = threading.Lock()
 
@@ -141,8 +154,17 @@ class GrammarFactory:
             return self._backend
 
     def compile(self, spec: Any):
-        """The compiled grammar of a ``StructuredOutputsParams`` (cached by the backend)."""
-        return self.backend.compile(spec)
+        """The compiled grammar of a ``StructuredOutputsParams`` (cached by the backend);
+        ``ValueError`` when it takes longer than ``compile_timeout_s``."""
+        backend = self.backend
+        future = self._pool.submit(backend.compile, spec)
+        try:
+            return future.result(timeout=self.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(
+                f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile;"
+                " simplify the schema (deeply nested schemas compile slowly)"
+            ) from None
 
     def new_state(self, spec: Any, accepted: Iterable[int] = ()):
         """A matcher for ``spec`` that has accepted ``accepted`` (a resumed row's output)."""

@@ -113,7 +113,8 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     bias = {}
     for key, b in value.items():
         # The OpenAI API sends token ids as JSON object keys, i.e. strings.
-        tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        plain = isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit()
+        tok = int(key) if plain else key
         tok = as_int("logit_bias key", tok, min=0, allowed="a token id >= 0")
         bias[tok] = as_real(f"logit_bias[{tok}]", b, min=-100, max=100)
     return FrozenDict(bias)

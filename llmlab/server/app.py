@@ -108,8 +108,11 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
 
     if allowed_origins:
+        # Credentials only for origins named one by one: with "*", any site could make a
+        # user's browser send their credentials here.
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=True,
+            CORSMiddleware, allow_origins=list(allowed_origins),
+            allow_credentials="*" not in allowed_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
     if api_key:
@@ -153,7 +156,10 @@ async def _validation_error(request: Request, err: RequestValidationError):
 
 async def _http_error(request: Request, err: HTTPException):
     kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-    return _error_response(APIError(str(err.detail), status=err.status_code, type=kind))
+    response = _error_response(APIError(str(err.detail), status=err.status_code, type=kind))
+    for name, value in (getattr(err, "headers", None) or {}).items():
+        response.headers[name] = value  # e.g. a 405's Allow
+    return response
 
 
 async def _internal_error(request: Request, err: Exception):

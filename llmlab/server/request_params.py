@@ -43,11 +43,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
+        # Plain ASCII digits only: int() would also read "5_0" as 50 and "５" as 5.
+        if not (key.isascii() and key.lstrip("-").isdigit()):
             raise APIError(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                           param="logit_bias") from None
+                           param="logit_bias")
+        out[int(key)] = value
     return out
 
 

@@ -113,7 +113,8 @@ class OpenAIServing:
         created = p.now()
         return p.ModelList(
             data=[
-                p.ModelCard(id=name, created=created, root=self.model_path,
+                # root: the served name, not the server's filesystem path.
+                p.ModelCard(id=name, created=created, root=self.model_names[0],
                             max_model_len=self.max_model_len)
                 for name in self.model_names
             ]

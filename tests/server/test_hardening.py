@@ -127,3 +127,70 @@ def test_bad_words_are_tokenized_when_the_request_is_prepared(tiny_llama):
     with pytest.raises(ValueError, match="bad_words could not be tokenized"):
         engine.add_request("a", "hello", SamplingParams(bad_words=["forbidden"]))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_finished_sample_reports_its_finish_reason_once_in_a_stream(tiny_llama):
+    from llmlab.sampling.params import RequestOutputKind
+
+    engine = LLM(tiny_llama, dtype="float32").llm_engine
+    # Random samples that stop on any of many ids end at different steps.
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, min_tokens=1,
+                            stop_token_ids=list(range(40, 200)),
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("r", "hello", params)
+    reasons: dict[int, list[str]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    reasons.setdefault(c.index, []).append(c.finish_reason)
+    assert sorted(reasons) == [0, 1, 2]
+    assert all(len(r) == 1 for r in reasons.values()), reasons
+
+
+def test_logit_bias_keys_are_plain_integers(served):
+    url, _ = served
+    for key in ("5_0", " 5", "\uff15"):
+        r = post(url + COMP, {"prompt": "hi", "max_tokens": 2, "logit_bias": {key: 1.0}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (key, r.text)
+    with pytest.raises((TypeError, ValueError), match="logit_bias"):
+        SamplingParams(logit_bias={"5_0": 1.0})
+
+
+def test_small_leaks_are_closed(served, tiny_llama):
+    url, _ = served
+    r = httpx.get(url + COMP, timeout=30)  # a POST route
+    assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    assert all(tiny_llama not in str(card) for card in models)  # no filesystem path
+
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], allowed_origins=["*"])
+    with running(app) as cors_url:
+        r = httpx.get(cors_url + "/version", headers={"Origin": "https://evil.example"})
+        assert r.headers.get("access-control-allow-credentials") != "true"
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_in_time(tiny_llama, monkeypatch):
+    pytest.importorskip("xgrammar")
+    from llmlab import StructuredOutputsParams
+
+    engine = LLM(tiny_llama, dtype="float32").llm_engine
+    grammars = engine.inputs.grammars
+    grammars.compile_timeout_s = 0.3
+    backend = grammars.backend
+    slow_compile = backend.compile
+
+    def slow(spec):  # stands in for a deeply nested schema (seconds of xgrammar)
+        time.sleep(1.5)
+        return slow_compile(spec)
+
+    monkeypatch.setattr(backend, "compile", slow)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="took longer than 0.3 s to compile"):
+        engine.add_request("a", "hi", SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="(ab)+")))
+    assert time.monotonic() - start < 1.2 and not engine.has_unfinished_requests()
