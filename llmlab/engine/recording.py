@@ -11,6 +11,11 @@ A recording is one JSON object per line:
 
 A path ending in ``.gz`` is written and read gzip-compressed.
 
+A recording survives the process that writes it being killed: lines are flushed at least
+once a second (a compressed file with a sync flush, so what was written decompresses
+without the end of the stream), and :func:`load` reads every complete line of a file cut
+anywhere, marking the recording ``complete=False, truncated=True``.
+
 Fields at their default value are left out (an all-``None`` ``scheduled_users`` is the
 common case), so a few thousand steps of a busy engine take a few MB. Floats are written
 with ``repr`` precision, so a replay sees exactly the numbers the live run saw.
@@ -24,6 +29,7 @@ import json
 import os
 import pathlib
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -287,6 +293,8 @@ class Recording:
         snapshot: the state the recording starts from.
         events: every step event, in order.
         complete: whether the footer was there (False: the run stopped before ``close``).
+        truncated: the file was cut (mid-line, or a compressed stream without its end):
+            what was read is every complete line before the cut.
     """
 
     path: pathlib.Path
@@ -295,6 +303,7 @@ class Recording:
     snapshot: EngineSnapshot
     events: tuple[StepEvent, ...]
     complete: bool
+    truncated: bool = False
 
     def __len__(self) -> int:
         return len(self.events)
@@ -303,50 +312,63 @@ class Recording:
         return iter(self.events)
 
     def __repr__(self) -> str:
-        tail = "" if self.complete else ", incomplete"
+        tail = "" if self.complete else ", truncated" if self.truncated else ", incomplete"
         return f"Recording({str(self.path)!r}, {len(self.events)} steps{tail})"
 
 
 def load(path: str | os.PathLike) -> Recording:
     """Read a recording written by :meth:`Engine.record <llmlab.engine.engine.Engine.record>`.
 
-    Raises ``ValueError`` naming the file and line for anything that is not one: a line
-    that is not JSON (a truncated file), a first line that is not a recording header, a
-    step with an unknown or malformed field, lines after the footer.
+    A file cut anywhere after its header (a killed run) loads its complete lines, marked
+    ``truncated``. Raises ``ValueError`` naming the file and line for anything that is not
+    a recording: a complete line that is not JSON, a first line that is not a recording
+    header (or a file cut inside it), a step with an unknown or malformed field, lines
+    after the footer.
     """
     path = pathlib.Path(path)
     events: list[StepEvent] = []
     header: dict[str, Any] | None = None
     snapshot = None
     complete = False
-    with _open(path, "r") as f:
-        for lineno, line in _numbered_lines(f, path):
-            where = f"{path}: line {lineno}"
-            if not line.strip():
-                continue
-            if complete:
-                raise ValueError(f"{where}: content after the end of the recording")
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                cut = "" if line.endswith("\n") else " (the file looks truncated)"
-                raise ValueError(f"{where}: not valid JSON{cut}: {exc.msg}") from None
-            if header is None:
-                header, snapshot = _read_header(data, where)
-                continue
-            if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in (
-                "step",
-                "end",
-            ):
-                keys = list(data) if isinstance(data, dict) else type(data).__name__
-                raise ValueError(f"{where}: expected {{'step': ...}} or {{'end': ...}}, got {keys}")
-            if "end" in data:
-                complete = True
-                continue
-            try:
-                events.append(event_from_json(data["step"]))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: bad step event: {exc}") from None
+    lines, truncated, rest = _complete_lines(path)
+    if truncated and not lines:
+        try:
+            rest.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: line 1: cannot be read: {exc}") from None
+        if not rest.lstrip().startswith(b'{"format"'):
+            raise ValueError(f"{path}: line 1: not an llmlab recording")
+        raise ValueError(f"{path}: line 1: the file is cut inside its header")
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path}: line {lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: cannot be read: {exc}") from None
+        if not line.strip():
+            continue
+        if complete:
+            raise ValueError(f"{where}: content after the end of the recording")
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc.msg}") from None
+        if header is None:
+            header, snapshot = _read_header(data, where)
+            continue
+        if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in (
+            "step",
+            "end",
+        ):
+            keys = list(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: expected {{'step': ...}} or {{'end': ...}}, got {keys}")
+        if "end" in data:
+            complete = True
+            continue
+        try:
+            events.append(event_from_json(data["step"]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: bad step event: {exc}") from None
     if header is None:
         raise ValueError(f"{path}: line 1: empty file, not an llmlab recording")
     return Recording(
@@ -356,18 +378,38 @@ def load(path: str | os.PathLike) -> Recording:
         snapshot=snapshot,
         events=tuple(events),
         complete=complete,
+        truncated=truncated,
     )
 
 
-def _numbered_lines(f, path: pathlib.Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)``; unreadable bytes become a ``ValueError`` naming the line."""
-    lineno = 0
-    try:
-        for lineno, line in enumerate(f, start=1):
-            yield lineno, line
-    except (EOFError, OSError, UnicodeDecodeError) as exc:
-        what = "the compressed file is cut short" if isinstance(exc, EOFError) else str(exc)
-        raise ValueError(f"{path}: line {lineno + 1}: cannot be read: {what}") from None
+def _complete_lines(path: pathlib.Path) -> tuple[list[bytes], bool, bytes]:
+    """The file's complete lines (without their newline), whether it was cut, and what
+    follows the last newline: a last line with no newline, or a compressed stream that
+    ends early, is dropped."""
+    raw = path.read_bytes()
+    cut = False
+    if path.suffix == ".gz":
+        raw, cut = _gunzip_prefix(raw, path)
+    lines = raw.split(b"\n")
+    if lines[-1]:
+        cut = True  # a line without its newline: cut while it was written
+    return lines[:-1], cut, lines[-1]
+
+
+def _gunzip_prefix(data: bytes, path: pathlib.Path) -> tuple[bytes, bool]:
+    """Everything a gzip stream decompresses to up to where it ends or is cut (the writer
+    sync-flushes, so a cut loses only what followed the last flush); True if cut."""
+    out = []
+    while data:
+        stream = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out.append(stream.decompress(data))
+        except zlib.error as exc:
+            raise ValueError(f"{path}: not a readable gzip stream: {exc}") from None
+        if not stream.eof:
+            return b"".join(out), True
+        data = stream.unused_data  # another gzip member follows (or nothing)
+    return b"".join(out), False
 
 
 def _read_header(data: Any, where: str) -> tuple[dict[str, Any], EngineSnapshot]:
