@@ -185,7 +185,11 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
                     chat_template=chat_template, allowed_origins=origins,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    open_metrics=args.open_metrics, open_docs=args.open_docs)
+                    open_metrics=args.open_metrics, open_docs=args.open_docs,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    max_sequences_per_request=args.max_sequences_per_request,
+                    max_queued_sequences=args.max_queued_sequences)
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown; open streams get a few seconds,
@@ -309,6 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve /metrics without the API key")
     serve.add_argument("--open-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json without the API key")
+    serve.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+                       help="larger request bodies get a 413 (default 32 MiB)")
+    serve.add_argument("--max-prompts-per-request", type=int, default=256,
+                       help="the most prompts in one completions request (default 256)")
+    serve.add_argument("--max-sequences-per-request", type=int, default=1024,
+                       help="the most prompts x max(n, best_of) in one request (default 1024)")
+    serve.add_argument("--max-queued-sequences", type=int, default=4096,
+                       help="requests in flight before new ones get a 429 with Retry-After "
+                            "(default 4096)")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
                        help='CORS origins: a list, or a JSON list such as \'["*"]\'')
     serve.add_argument("--log-level", default="info",

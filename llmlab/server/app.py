@@ -66,6 +66,10 @@ def build_app(
     trust_request_chat_template: bool = False,
     open_metrics: bool = False,
     open_docs: bool = False,
+    max_request_body_bytes: int = 32 * 2**20,
+    max_prompts_per_request: int = 256,
+    max_sequences_per_request: int = 1024,
+    max_queued_sequences: int = 4096,
 ):
     """The FastAPI app serving ``engine``.
 
@@ -75,14 +79,21 @@ def build_app(
     (``/docs``, ``/redoc``, ``/openapi.json``) unless ``open_metrics`` / ``open_docs``;
     ``/health`` and ``/version`` are always open. ``chat_template``: overrides the
     tokenizer's. ``trust_request_chat_template``: accept a ``chat_template`` in requests
-    (off: a template is code the server runs). ``allowed_origins``: CORS origins.
+    (off: a template is code the server runs). ``max_request_body_bytes``: larger bodies
+    get a 413 before they are read. ``max_prompts_per_request``,
+    ``max_sequences_per_request`` (prompts x n), ``max_queued_sequences`` (in flight;
+    beyond it a 429 with ``Retry-After``): see :class:`OpenAIServing`. ``allowed_origins``:
+    CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_names must be non-empty strings, got {names!r}")
     serving = OpenAIServing(engine, names, model_path=model_path, chat_template=chat_template,
-                            trust_request_chat_template=trust_request_chat_template)
+                            trust_request_chat_template=trust_request_chat_template,
+                            max_prompts_per_request=max_prompts_per_request,
+                            max_sequences_per_request=max_sequences_per_request,
+                            max_queued_sequences=max_queued_sequences)
     metrics = EngineMetrics(names[0])
     engine.engine.subscribe(metrics)
 
@@ -115,6 +126,8 @@ def build_app(
             allow_credentials="*" not in allowed_origins,
             allow_methods=["*"], allow_headers=["*"],
         )
+    # Outermost but the key check: a body too large is refused before it is read.
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         protected = set(_KEYED_PATHS)
         if not open_metrics:
@@ -143,7 +156,7 @@ class _ErrorJSON(JSONResponse):
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    return _ErrorJSON(err.body(), status_code=err.status)
+    return _ErrorJSON(err.body(), status_code=err.status, headers=err.headers or None)
 
 
 async def _api_error(request: Request, err: APIError):
@@ -346,6 +359,48 @@ class _APIKeyMiddleware:
         err = APIError("missing or wrong API key (send Authorization: Bearer <key>)",
                        status=401, code="invalid_api_key")
         await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes``: at once from ``Content-Length``, else as
+    soon as the streamed body passes it (pure ASGI: nothing larger is ever buffered)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        err = APIError(f"the request body is larger than {self.max_bytes} bytes", status=413)
+        await _error_response(err)(scope, receive, send)
+
+
+class _BodyTooLarge(BaseException):
+    """Raised out of the app's body read; a BaseException so the app's own handlers (which
+    catch Exception and answer 500) let it through to the middleware that answers 413."""
 
 
 def _truthful_openapi(app) -> None:

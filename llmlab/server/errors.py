@@ -19,6 +19,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: int | str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -26,6 +27,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = status if code is None else code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)

@@ -54,6 +54,11 @@ class OpenAIServing:
         template_timeout_s: the longest a chat template may take to render; templates
             render on ``template_workers`` threads of their own, so a slow one can hold
             neither the engine loop nor the threads other requests tokenize on.
+        max_prompts_per_request / max_sequences_per_request: the most prompts in one
+            request, and prompts x ``max(n, best_of)`` (400 beyond them).
+        max_queued_sequences: sequences in flight (queued or running) the server takes
+            at once; a request that would pass it is answered 429 with ``Retry-After``
+            at once, before any of it is tokenized.
     """
 
     engine: AsyncEngine
@@ -63,6 +68,9 @@ class OpenAIServing:
     trust_request_chat_template: bool = False
     template_timeout_s: float = 10.0
     template_workers: int = 2
+    max_prompts_per_request: int = 256
+    max_sequences_per_request: int = 1024
+    max_queued_sequences: int = 4096
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -93,6 +101,30 @@ class OpenAIServing:
                 status=404, param="model", code="model_not_found",
             )
         return model
+
+    def _check_capacity(self, request, num_prompts: int) -> None:
+        """The request's size against the limits, and the server's room for it."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError(
+                f"prompt has {num_prompts} prompts, more than the "
+                f"{self.max_prompts_per_request} allowed per request", param="prompt",
+            )
+        per_prompt = max(request.n or 1, getattr(request, "best_of", None) or 1)
+        sequences = num_prompts * per_prompt
+        if sequences > self.max_sequences_per_request:
+            raise APIError(
+                f"{num_prompts} prompt(s) x {per_prompt} sample(s) = {sequences} sequences, "
+                f"more than the {self.max_sequences_per_request} allowed per request",
+                param="n",
+            )
+        in_flight = self.engine.num_open_requests
+        if in_flight + sequences > self.max_queued_sequences:
+            raise APIError(
+                f"the server is at capacity ({in_flight} requests in flight, at most "
+                f"{self.max_queued_sequences}); retry shortly",
+                status=429, type="rate_limit_exceeded", code="server_busy",
+                headers={"Retry-After": "1"},
+            )
 
     def _check_text(self, field: str, text: str) -> None:
         """Prompt text is bounded and valid Unicode before it is tokenized (tokenizing a
@@ -132,6 +164,7 @@ class OpenAIServing:
         if request.echo and request.prompt_logprobs is not None:
             raise APIError("echo and prompt_logprobs cannot be combined; use one of them",
                            param="prompt_logprobs")
+        self._check_capacity(request, _num_prompts(request.prompt))
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         params_list = [
             self._params(
@@ -196,6 +229,7 @@ class OpenAIServing:
             if request.top_logprobs < 0:
                 raise APIError(f"top_logprobs must be >= 0, got {request.top_logprobs}",
                                param="top_logprobs")
+        self._check_capacity(request, 1)
         prompt = await self._render(request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -384,3 +418,11 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+def _num_prompts(prompt) -> int:
+    """How many prompts a completion request's ``prompt`` holds (one string, one id list,
+    or a list of either)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
