@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -192,21 +193,32 @@ def _serve(args: argparse.Namespace) -> int:
                     max_queued_sequences=args.max_queued_sequences)
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown; open streams get a few seconds,
-    # then the app's shutdown stops the engine loop and ends whatever is left.
+    # SIGINT/SIGTERM: uvicorn stops accepting connections; requests in flight get
+    # --shutdown-grace-s to finish; then the engine stops, which ends every request left with
+    # an in-band error and [DONE] (streams) or a JSON 503, so uvicorn's own (later) deadline
+    # never has to cut a response.
+    grace = args.shutdown_grace_s
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    # uvicorn handles SIGINT/SIGTERM itself, then raises the signal again once it has shut
-    # down; these handlers turn that into a normal exit (status 0) instead of a traceback.
+                            timeout_graceful_shutdown=grace + 5)
+    server = _GracefulServer(config, engine=engine, grace_s=grace)
+    # uvicorn handles the signals itself, then raises them again once it has shut down;
+    # these handlers turn that (however many arrive) into a normal exit with status 0.
+    _STOPPED.clear()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run()
+        try:
+            server.run()
+        except (KeyboardInterrupt, _Stopped):
+            pass
+        finally:
+            engine.shutdown()
     except (KeyboardInterrupt, _Stopped):
-        pass
+        pass  # one more signal while shutting down: already on the way out
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        engine.shutdown()
+        # uvicorn re-raises the signals it caught once it is done; one still to come must
+        # not turn this finished shutdown into a death by signal (exit status -2).
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
     print("[llmlab] server shut down", file=sys.stderr)
     return 0
 
@@ -215,8 +227,47 @@ class _Stopped(Exception):
     """SIGTERM (or SIGINT) arrived after the server had shut down."""
 
 
+_STOPPED = threading.Event()
+
+
 def _stop(signum, frame) -> None:
+    if _STOPPED.is_set():
+        return  # a second signal: the first is already ending the process
+    _STOPPED.set()
     raise _Stopped(signal.Signals(signum).name)
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, plus: the first shutdown signal starts a timer that stops the
+        engine after the grace period (ending what is still in flight in-band); a second
+        one stops it at once."""
+
+        def __init__(self, config, *, engine, grace_s: float) -> None:
+            super().__init__(config)
+            self._engine = engine
+            self._grace_s = grace_s
+            self._timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._timer is None:
+                self._timer = threading.Timer(self._grace_s, self._engine.shutdown)
+                self._timer.daemon = True
+                self._timer.start()
+                super().handle_exit(sig, frame)
+                return
+            # A second signal: end what is in flight now, in-band, rather than let uvicorn
+            # force its exit (which cuts responses and skips the app's shutdown).
+            self._timer.cancel()
+            threading.Thread(target=self._engine.shutdown, daemon=True).start()
+
+    return GracefulServer
+
+
+def _GracefulServer(config, *, engine, grace_s: float):  # noqa: N802 - a class factory
+    return _graceful_server_class()(config, engine=engine, grace_s=grace_s)
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -313,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve /metrics without the API key")
     serve.add_argument("--open-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json without the API key")
+    serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, how long requests in flight may finish before "
+                            "they end with an error (default 30)")
     serve.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
                        help="larger request bodies get a 413 (default 32 MiB)")
     serve.add_argument("--max-prompts-per-request", type=int, default=256,

@@ -114,3 +114,63 @@ def test_bench_serve_runs_against_the_server(served, capsys, tmp_path):
                  "--num-prompts", "4", "--random-output-len", "3", "--request-rate", "50",
                  "--disable-tqdm"])
     assert chat == 0
+
+
+def _client(url: str, i: int, stream: bool) -> str:
+    """One request during shutdown: 'full', 'error' (in-band, ended by [DONE], or a JSON
+    503), or what went wrong."""
+    body = {"model": "tiny", "prompt": f"Request {i}", "max_tokens": 300, "ignore_eos": True,
+            "stream": stream}
+    try:
+        if not stream:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if r.status_code == 200:
+                return "full" if r.json()["usage"]["completion_tokens"] == 300 else "short"
+            if r.status_code == 503 and "error" in r.json():
+                return "error"
+            return f"status {r.status_code}: {r.text[:200]}"
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        if not lines or lines[-1] != "data: [DONE]":
+            return f"no [DONE]: {lines[-2:]}"
+        if any('"error"' in line for line in lines):
+            return "error"
+        return "full"
+    except httpx.HTTPError as err:
+        return f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]])
+def test_shutdown_under_load_ends_every_request_in_band_and_exits_0(tiny_llama, signals):
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = start_server([tiny_llama, "--served-model-name", "tiny", "--max-model-len",
+                              "512", "--dtype", "float32", "--shutdown-grace-s", "0.5"])
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            futures = [pool.submit(_client, url, i, i % 2 == 0) for i in range(40)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # all in flight before the signal
+                metrics = httpx.get(f"{url}/metrics", timeout=10).text
+                if "llmlab:num_requests_running" in metrics and any(
+                    line.startswith("llmlab:num_requests_running") and float(line.split()[-1]) > 0
+                    for line in metrics.splitlines()
+                ):
+                    break
+                time.sleep(0.05)
+            for sig in signals:
+                proc.send_signal(sig)
+                time.sleep(0.2)
+            results = [f.result(timeout=60) for f in futures]
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert all(r in ("full", "error") for r in results), results
+    assert "error" in results  # the grace period really ended some
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
