@@ -199,7 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
     # never has to cut a response.
     grace = args.shutdown_grace_s
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=grace + 5)
+                            timeout_graceful_shutdown=grace + 5,
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = _GracefulServer(config, engine=engine, grace_s=grace)
     # uvicorn handles the signals itself, then raises them again once it has shut down;
     # these handlers turn that (however many arrive) into a normal exit with status 0.
@@ -364,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve /metrics without the API key")
     serve.add_argument("--open-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json without the API key")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (uvicorn's; a "
+                            "client that reuses a connection after this must reconnect: set "
+                            "its pool's idle timeout lower, or raise this; default 5)")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                             "they end with an error (default 30)")

@@ -29,6 +29,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -124,6 +125,10 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._last_error: BaseException | None = None  # the latest failed step, until one works
+        # When the step now running began (None between steps): a step that never ends
+        # (a wedged kernel, a hung component) shows in check_health.
+        self._step_started: float | None = None
+        self.wedged_after_s = 60.0
         self._step_again = False  # a failed step may still hold outputs to deliver
         self._failures: dict[str, str] = {}  # request id -> why the engine failed it
         self._ids = itertools.count()
@@ -182,6 +187,12 @@ class AsyncEngine:
             raise EngineDeadError(self._dead_reason())
         if self._last_error is not None:
             raise EngineError(f"the latest engine step failed: {_describe(self._last_error)}")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.wedged_after_s:
+            raise EngineError(
+                f"the engine is wedged: its current step has run for "
+                f"{time.monotonic() - started:.0f} s (more than {self.wedged_after_s:g} s)"
+            )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -290,7 +301,11 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, set()
                     self._step_again = False
                 self._apply(aborts, inbox)
-                self._step()
+                self._step_started = time.monotonic()
+                try:
+                    self._step()
+                finally:
+                    self._step_started = None
         except BaseException as err:  # a bug in this loop: never leave a stream hanging
             self._dead = err
             logger.exception("the engine loop died")

@@ -267,6 +267,11 @@ async def health(request: Request):
         await request.app.state.engine.check_health()
     except (EngineError, EngineDeadError) as err:
         raise APIError(str(err), status=503, type="server_error") from err
+    serving = request.app.state.serving
+    in_flight = request.app.state.engine.num_open_requests
+    if in_flight >= serving.max_queued_sequences:  # new requests would get a 429 now
+        raise APIError(f"the server is at capacity ({in_flight} requests in flight)",
+                       status=503, type="server_error", headers={"Retry-After": "1"})
     return Response(status_code=200)
 
 

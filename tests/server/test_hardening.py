@@ -244,3 +244,58 @@ def test_limits_refuse_oversized_requests_and_a_full_server_answers_429(tiny_lla
         assert all(r.status_code == 200 for r in held)  # nothing accepted is lost
         assert all(r.json()["usage"]["completion_tokens"] == 60 for r in held)
         _ok(url)  # room again
+
+
+def test_health_is_truthful_about_a_wedged_or_saturated_server(tiny_llama):
+    import threading
+
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], max_queued_sequences=2)
+    release = threading.Event()
+    inner = engine.engine.executor
+
+    class Hangs:  # a step that does not end until told (a wedged kernel, say)
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def execute(self, batch):
+            release.wait(30)
+            return inner.execute(batch)
+
+    with running(app) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        engine.wedged_after_s = 0.3
+        engine.engine.executor = Hangs()
+        client = threading.Thread(target=lambda: httpx.post(
+            url + COMP, json={"prompt": "hi", "max_tokens": 2}, timeout=60))
+        client.start()
+        time.sleep(1.0)
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and "wedged" in r.text, r.text
+        release.set()
+        client.join(30)
+        engine.engine.executor = inner
+        engine.wedged_after_s = 60.0
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+        # Saturated: as many in flight as it takes; /health says so (new ones get a 429).
+        blockers = [threading.Thread(target=lambda: httpx.post(url + COMP, json={
+            "prompt": "busy", "max_tokens": 200, "ignore_eos": True}, timeout=60))
+            for _ in range(2)]
+        release.clear()
+        engine.engine.executor = Hangs()
+        for thread in blockers:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while engine.num_open_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and "capacity" in r.text, r.text
+        engine.engine.executor = inner
+        release.set()
+        for thread in blockers:
+            thread.join(60)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
