@@ -161,6 +161,7 @@ class GrammarFactory:
         try:
             return future.result(timeout=self.compile_timeout_s)
         except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued behind other compiles: never run it
             raise ValueError(
                 f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile;"
                 " simplify the schema (deeply nested schemas compile slowly)"

@@ -257,6 +257,7 @@ class OpenAIServing:
             return await asyncio.wait_for(asyncio.wrap_future(future),
                                           self.template_timeout_s)
         except asyncio.TimeoutError:
+            future.cancel()  # still queued behind other templates: never run it
             raise APIError(
                 f"the chat template took longer than {self.template_timeout_s:g} s to render",
                 param="chat_template",
@@ -268,6 +269,7 @@ class OpenAIServing:
         try:
             return future.result(timeout=self.template_timeout_s)
         except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued behind other templates: never run it
             raise APIError(
                 f"the chat template took longer than {self.template_timeout_s:g} s to render",
                 param="chat_template",
