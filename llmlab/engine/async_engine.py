@@ -26,6 +26,8 @@ succeeds again. If the loop thread itself dies or is shut down, every stream end
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -129,6 +131,12 @@ class AsyncEngine:
         # (a wedged kernel, a hung component) shows in check_health.
         self._step_started: float | None = None
         self.wedged_after_s = 60.0
+        # Request preparation (tokenizing, waiting for a grammar to compile) on threads of
+        # its own: requests that wait long (a schema that compiles for seconds) cannot take
+        # every thread of asyncio's default pool, which everything else shares.
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=32, thread_name_prefix="llmlab-prepare"
+        )
         self._step_again = False  # a failed step may still hold outputs to deliver
         self._failures: dict[str, str] = {}  # request id -> why the engine failed it
         self._ids = itertools.count()
@@ -170,6 +178,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("aborting the open requests at shutdown failed")
             self._end(streams, EngineDeadError("the engine was shut down"))
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -219,8 +228,11 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = await asyncio.to_thread(
-            self.engine.prepare_request, request_id, prompt, params, arrival_time, priority, user
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, functools.partial(
+                self.engine.prepare_request, request_id, prompt, params, arrival_time,
+                priority, user,
+            ),
         )
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         with self._cond:

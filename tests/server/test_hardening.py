@@ -299,3 +299,61 @@ def test_health_is_truthful_about_a_wedged_or_saturated_server(tiny_llama):
         for thread in blockers:
             thread.join(60)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama, monkeypatch):
+    """Six template bombs and six slow grammar compiles in flight, as the server runs by
+    default: a normal request still completes within 2 s of its idle latency, and /health
+    stays 200. Templates are refused at once; compiles wait on threads of their own
+    (neither asyncio's default pool nor the engine waits for them) and time out."""
+    import threading
+
+    pytest.importorskip("xgrammar")
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"])
+    grammars = engine.engine.inputs.grammars
+    grammars.compile_timeout_s = 1.0
+    backend = grammars.backend
+    compile_now = backend.compile
+
+    def slow_compile(spec):  # xgrammar releases the GIL while it compiles: so does sleep
+        if spec.regex == "(slow)+":
+            time.sleep(3)
+        return compile_now(spec)
+
+    monkeypatch.setattr(backend, "compile", slow_compile)
+    template_bomb = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                     "{% endfor %}")
+    normal = {"model": "tiny", "prompt": "a normal request", "max_tokens": 8}
+    with running(app) as url:
+        httpx.post(url + COMP, json=normal, timeout=30)  # warm
+        start = time.monotonic()
+        httpx.post(url + COMP, json=normal, timeout=30)
+        idle = time.monotonic() - start
+        codes = []
+
+        def bomb(body, route):
+            codes.append(httpx.post(url + route, json=body, timeout=60).status_code)
+
+        bombs = [threading.Thread(target=bomb, args=(
+            {"messages": MSG, "chat_template": template_bomb, "max_tokens": 2}, CHAT))
+            for _ in range(6)]
+        bombs += [threading.Thread(target=bomb, args=(
+            {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(slow)+"}},
+            COMP)) for _ in range(6)]
+        for thread in bombs:
+            thread.start()
+        time.sleep(0.3)  # all in flight
+        start = time.monotonic()
+        r = httpx.post(url + COMP, json=normal, timeout=30)
+        loaded = time.monotonic() - start
+        health = httpx.get(f"{url}/health", timeout=10).status_code
+        for thread in bombs:
+            thread.join(60)
+    assert r.status_code == 200 and health == 200
+    assert loaded < idle + 2.0, (idle, loaded)
+    assert codes.count(400) == 12, codes  # every bomb refused, none a 5xx
