@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -21,13 +22,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args, env_extra=None, timeout=120.0):
+def start_server(args, env_extra=None, timeout=120.0, memory_cap: int | None = None):
+    """``llmlab serve ARGS`` in a subprocess (``memory_cap``: its address space, bytes)."""
     port = free_port()
     env = subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
+
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_cap, memory_cap))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmlab", "serve", *args, *CLI_KV_FLAGS, "--port", str(port),
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=cap if memory_cap else None,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -144,13 +153,15 @@ def _client(url: str, i: int, stream: bool) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]])
 def test_shutdown_under_load_ends_every_request_in_band_and_exits_0(tiny_llama, signals):
+    """SIGTERM (then SIGINT) with 200 requests in flight: each client gets its full answer
+    or an in-band error, the exit status is 0, and the log has no traceback."""
     from concurrent.futures import ThreadPoolExecutor
 
     proc, url = start_server([tiny_llama, "--served-model-name", "tiny", "--max-model-len",
                               "512", "--dtype", "float32", "--shutdown-grace-s", "0.5"])
     try:
-        with ThreadPoolExecutor(40) as pool:
-            futures = [pool.submit(_client, url, i, i % 2 == 0) for i in range(40)]
+        with ThreadPoolExecutor(200) as pool:  # the issue's 200 in flight
+            futures = [pool.submit(_client, url, i, i % 2 == 0) for i in range(200)]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # all in flight before the signal
                 metrics = httpx.get(f"{url}/metrics", timeout=10).text
@@ -174,3 +185,33 @@ def test_shutdown_under_load_ends_every_request_in_band_and_exits_0(tiny_llama, 
     assert "error" in results  # the grace period really ended some
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+def test_the_edge_probe_bombs_leave_a_memory_capped_server_serving(tiny_llama):
+    """The probe's one-request attacks, against a server under an address-space cap: each
+    is refused at the edge, quickly, and the server keeps answering."""
+    proc, url = start_server([tiny_llama, "--served-model-name", "tiny", "--dtype", "float32"],
+                             memory_cap=12 * 2**30)
+    bombs = [
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                       "chat_template": "{{ 'x' * 4*10**7 }}"}),
+        ("/tokenize", {"prompt": "word " * 2_000_000}),
+        ("/v1/completions", {"prompt": "hi", "bad_words": ["\ud800"], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": ["hi"] * 100_000, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": ["hi"] * 200, "n": 256, "max_tokens": 1}),
+    ]
+    try:
+        for route, body in bombs:
+            start = time.monotonic()
+            r = httpx.post(url + route, content=json.dumps(body), timeout=60,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (route, r.text[:300])
+            assert time.monotonic() - start < 10, route
+            ok = httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={"model": "tiny", "prompt": "still", "max_tokens": 2})
+            assert ok.status_code == 200 and proc.poll() is None, route
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
