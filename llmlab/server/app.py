@@ -103,6 +103,7 @@ def build_app(
             yield
         finally:
             engine.engine.unsubscribe(metrics)
+            serving.close()
             if shutdown_engine:
                 await asyncio.to_thread(engine.shutdown)
 

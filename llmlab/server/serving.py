@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 
 import attrs
 
@@ -34,7 +35,11 @@ from llmlab.server.request_params import (
     _unsupported,
 )
 from llmlab.server.responses import _ChatRun, _CompletionRun, _until_disconnected
+from llmlab.server.templates import TemplateProcesses, TemplateTimeout
 from llmlab.validation import check_encodable
+
+# What waiting for a request template's render may add for starting its worker processes.
+_WORKER_START_S = 60.0
 
 
 @attrs.define
@@ -53,7 +58,9 @@ class OpenAIServing:
             default, as in vLLM: a template is code the server runs).
         template_timeout_s: the longest a chat template may take to render; templates
             render on ``template_workers`` threads of their own, so a slow one can hold
-            neither the engine loop nor the threads other requests tokenize on.
+            neither the engine loop nor the threads other requests tokenize on, and a
+            request's own template in one of ``template_workers`` worker processes
+            (:mod:`llmlab.server.templates`), ended when it runs past its time.
         max_prompts_per_request / max_sequences_per_request: the most prompts in one
             request, and prompts x ``max(n, best_of)`` (400 beyond them).
         max_queued_sequences: sequences in flight (queued or running) the server takes
@@ -72,6 +79,8 @@ class OpenAIServing:
     max_sequences_per_request: int = 1024
     max_queued_sequences: int = 4096
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
+    _processes: TemplateProcesses | None = attrs.field(init=False, default=None)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def __attrs_post_init__(self) -> None:
         self._templates = concurrent.futures.ThreadPoolExecutor(
@@ -254,8 +263,7 @@ class OpenAIServing:
         """The request's chat prompt, rendered on the template threads within the timeout."""
         future = self._templates.submit(self._chat_prompt, request)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future),
-                                          self.template_timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(future), self._wait_s(request))
         except asyncio.TimeoutError:
             future.cancel()  # still queued behind other templates: never run it
             raise APIError(
@@ -267,13 +275,32 @@ class OpenAIServing:
         """:meth:`_render` for callers already on a worker thread (``/tokenize``)."""
         future = self._templates.submit(self._chat_prompt, request)
         try:
-            return future.result(timeout=self.template_timeout_s)
+            return future.result(timeout=self._wait_s(request))
         except concurrent.futures.TimeoutError:
             future.cancel()  # still queued behind other templates: never run it
             raise APIError(
                 f"the chat template took longer than {self.template_timeout_s:g} s to render",
                 param="chat_template",
             ) from None
+
+    def _wait_s(self, request) -> float:
+        """How long to wait for a render: a request's own template is bounded inside its
+        worker process, whose first start (importing the tokenizer's libraries) is not
+        the template's time."""
+        extra = _WORKER_START_S if request.chat_template is not None else 0.0
+        return self.template_timeout_s + extra
+
+    def _template_processes(self) -> TemplateProcesses:
+        with self._lock:
+            if self._processes is None:
+                self._processes = TemplateProcesses(self.tokenizer, self.template_workers)
+            return self._processes
+
+    def close(self) -> None:
+        """Stop the template threads and worker processes (the app's shutdown)."""
+        self._templates.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.close()
 
     def _chat_prompt(self, request) -> _Prompt:
         if request.chat_template is not None and not self.trust_request_chat_template:
@@ -289,14 +316,23 @@ class OpenAIServing:
         template = request.chat_template
         if template is None:
             template = self.chat_template
+        args = (messages, template, request.add_generation_prompt,
+                request.continue_final_message, request.chat_template_kwargs,
+                self.max_model_len * CHARS_PER_TOKEN)
         try:
-            rendered = render_chat(
-                self.tokenizer, messages, chat_template=template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-                max_chars=self.max_model_len * CHARS_PER_TOKEN,
-            )[0]
+            if request.chat_template is not None:  # the request's own code: a worker process
+                rendered = self._template_processes().render(self.template_timeout_s, *args)
+            else:
+                rendered = render_chat(
+                    self.tokenizer, args[0], chat_template=args[1],
+                    add_generation_prompt=args[2], continue_final_message=args[3],
+                    chat_template_kwargs=args[4], max_chars=args[5],
+                )[0]
+        except TemplateTimeout:
+            raise APIError(
+                f"the chat template took longer than {self.template_timeout_s:g} s to render",
+                param="chat_template",
+            ) from None
         except (ValueError, TypeError) as err:
             raise bad_request(err, _fields(request)) from err
         except Exception as err:  # a Jinja error in a user's template: theirs to fix

@@ -357,3 +357,47 @@ def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama, m
     assert r.status_code == 200 and health == 200
     assert loaded < idle + 2.0, (idle, loaded)
     assert codes.count(400) == 12, codes  # every bomb refused, none a 5xx
+
+
+@pytest.mark.slow
+def test_a_trusted_request_template_cannot_starve_the_server(tiny_llama):
+    """With --trust-request-chat-template, a request's template renders in a worker
+    process: a loop that holds the GIL there slows nothing here, and one that runs past
+    the timeout is ended (its worker terminated), not left running."""
+    import threading
+
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
+    serving = app.state.serving
+    serving.template_timeout_s = 2.0
+    forever = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+               "{% endfor %}")
+    normal = {"model": "tiny", "prompt": "a normal request", "max_tokens": 8}
+    with running(app) as url:
+        # A quick trusted template works (and starts the workers).
+        r = httpx.post(f"{url}/tokenize", timeout=120, json={
+            "messages": MSG, "chat_template": "{{ messages[0]['content'] }}!"})
+        assert r.status_code == 200 and r.json()["count"] >= 1, r.text
+        httpx.post(url + COMP, json=normal, timeout=30)
+        start = time.monotonic()
+        httpx.post(url + COMP, json=normal, timeout=30)
+        idle = time.monotonic() - start
+        codes = []
+        bombs = [threading.Thread(target=lambda: codes.append(httpx.post(
+            url + CHAT, json={"messages": MSG, "chat_template": forever, "max_tokens": 2},
+            timeout=120).status_code)) for _ in range(2)]
+        for thread in bombs:
+            thread.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        r = httpx.post(url + COMP, json=normal, timeout=30)
+        loaded = time.monotonic() - start
+        for thread in bombs:
+            thread.join(120)
+        pool = serving._processes
+    assert r.status_code == 200 and loaded < idle + 2.0, (idle, loaded)
+    assert codes == [400, 400]
+    assert pool is not None and pool._pool is None  # the runaway workers were terminated
