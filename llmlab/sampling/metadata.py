@@ -121,17 +121,25 @@ class GrammarFactory:
 
     Attributes:
         compile_timeout_s: the longest :meth:`compile` waits. Compiles run on
-            ``compile_workers`` threads of their own, so a schema that compiles for
-            minutes holds neither the caller nor more than those threads; one that times
+            ``compile_workers`` threads of their own (default: a quarter of the usable
+            cores, at least one; one xgrammar thread each), so a schema that compiles for
+            minutes holds neither the caller nor more than those cores; one that times
             out is refused (its compile finishes in the background and is cached).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
-                 compile_timeout_s: float = 10.0, compile_workers: int = 2) -> None:
+                 compile_timeout_s: float = 10.0, compile_workers: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
+        if compile_workers is None:
+            # A quarter of the usable cores (one on a small machine), each compile on one
+            # thread: a schema that compiles for long leaves the rest to the engine.
+            from llmlab.threads import available_cpus
+
+            compile_workers = max(1, int(available_cpus()) // 4)
+        self.compile_workers = compile_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=compile_workers, thread_name_prefix="llmlab-grammar"
         )
@@ -149,7 +157,7 @@ class GrammarFactory:
                 from llmlab.sampling.structured import StructuredOutputBackend
 
                 self._backend = StructuredOutputBackend(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, compile_threads=1
                 )
             return self._backend
 
