@@ -325,6 +325,22 @@ def _one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "bench":
+        from llmlab.loadtest import run_bench_serve
+
+        return run_bench_serve(args)
+    if args.command == "components":
+        return _components(args)
+    return 1  # unreachable: argparse rejects unknown commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llmlab`` command line's parser (every subcommand and flag)."""
     # allow_abbrev=False: a misspelt flag is an error, not silently another flag's prefix.
     parser = argparse.ArgumentParser(
         prog="llmlab", description=__doc__.split("\n\n")[0], allow_abbrev=False
@@ -365,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="serve /metrics without the API key")
     serve.add_argument("--open-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json without the API key")
-    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open (uvicorn's; a "
-                            "client that reuses a connection after this must reconnect: set "
-                            "its pool's idle timeout lower, or raise this; default 5)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=65.0,
+                       help="seconds an idle keep-alive connection stays open (default 65: "
+                            "longer than common clients keep idle connections, so none "
+                            "reuses one the server is closing; uvicorn's own is 5)")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                             "they end with an error (default 30)")
@@ -394,18 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmlab.loadtest import add_bench_serve_args
 
     add_bench_serve_args(bench_serve)
-    args = parser.parse_args(argv)
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "bench":
-        from llmlab.loadtest import run_bench_serve
-
-        return run_bench_serve(args)
-    if args.command == "components":
-        return _components(args)
-    return 1  # unreachable: argparse rejects unknown commands
+    return parser
 
 
 if __name__ == "__main__":

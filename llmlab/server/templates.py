@@ -11,12 +11,16 @@ then started afresh. The server's own template is trusted and renders in-process
 from __future__ import annotations
 
 import multiprocessing
+import re
 import threading
 from typing import Any
 
 from llmlab.engine.inputs import render_chat
 
 _TOKENIZER: Any = None  # in a worker process: its copy of the tokenizer
+# An object's default repr ends " at 0x7f...>": what a template printing a function or a
+# tokenizer object would hand back.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 
 def _init_worker(tokenizer: Any) -> None:
@@ -30,12 +34,19 @@ def _ping(_: int) -> bool:
 
 def _render(messages, template, add_generation_prompt, continue_final_message, kwargs,
             max_chars) -> dict:
-    return render_chat(
+    rendered = render_chat(
         _TOKENIZER, messages, chat_template=template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         chat_template_kwargs=kwargs, max_chars=max_chars,
     )[0]
+    text = rendered["prompt"]
+    scrubbed = _ADDRESS.sub(" at 0x...>", text)
+    if scrubbed != text:  # a template printed an object: no addresses leave the worker
+        bos = getattr(_TOKENIZER, "bos_token", None)  # as render_chat encodes it
+        ids = _TOKENIZER.encode(scrubbed, add_special_tokens=not (bos and scrubbed.startswith(bos)))
+        rendered = {"prompt": scrubbed, "prompt_token_ids": list(ids)}
+    return rendered
 
 
 class TemplateTimeout(Exception):

@@ -401,3 +401,29 @@ def test_a_trusted_request_template_cannot_starve_the_server(tiny_llama):
     assert r.status_code == 200 and loaded < idle + 2.0, (idle, loaded)
     assert codes == [400, 400]
     assert pool is not None and pool._pool is None  # the runaway workers were terminated
+
+
+@pytest.mark.slow
+def test_a_trusted_template_prints_no_memory_address(tiny_llama):
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
+    with running(app) as url:
+        r = httpx.post(f"{url}/tokenize", timeout=120, json={
+            "messages": MSG, "chat_template": "{{ raise_exception }}|{{ messages }}",
+            "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    text = "".join(r.json()["token_strs"])
+    assert "0x" in text and not any(c in "123456789abcdef" for c in text.split("0x", 1)[1][:2])
+
+
+def test_serve_keeps_idle_connections_longer_than_clients_do():
+    """The probe saw requests fail on keep-alive connections reused just as uvicorn's 5 s
+    idle timeout closed them (httpx keeps idle connections 5 s too); llmlab serve keeps
+    them 65 s."""
+    from llmlab.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.timeout_keep_alive == 65.0
