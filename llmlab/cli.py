@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=grace + 5,
                             timeout_keep_alive=args.timeout_keep_alive)
-    server = _GracefulServer(config, engine=engine, grace_s=grace)
+    server = _graceful_server(config, engine=engine, grace_s=grace)
     # uvicorn handles the signals itself, then raises them again once it has shut down;
     # these handlers turn that (however many arrive) into a normal exit with status 0.
     _STOPPED.clear()
@@ -238,7 +238,8 @@ def _stop(signum, frame) -> None:
     raise _Stopped(signal.Signals(signum).name)
 
 
-def _graceful_server_class():
+def _graceful_server(config, *, engine, grace_s: float):
+    """uvicorn's ``Server`` for ``config`` (uvicorn is imported only to serve)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -264,11 +265,7 @@ def _graceful_server_class():
             self._timer.cancel()
             threading.Thread(target=self._engine.shutdown, daemon=True).start()
 
-    return GracefulServer
-
-
-def _GracefulServer(config, *, engine, grace_s: float):  # noqa: N802 - a class factory
-    return _graceful_server_class()(config, engine=engine, grace_s=grace_s)
+    return GracefulServer(config, engine=engine, grace_s=grace_s)
 
 
 def _read_chat_template(value: str | None) -> str | None:

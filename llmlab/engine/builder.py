@@ -82,7 +82,7 @@ class EngineBuilder:
     scheduling_policy: SchedulingPolicy | str | None = None
     eviction_policy: EvictionPolicy | str | None = None
     attention_backend: AttentionBackend | str | None = None
-    sampler: Sampler | None = None
+    sampler: Sampler | str | None = None
 
     @classmethod
     def from_settings(

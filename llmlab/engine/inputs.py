@@ -32,6 +32,20 @@ CHARS_PER_TOKEN = 32
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+def check_prompt_text(field: str, text: str, max_model_len: int) -> None:
+    """``ValueError`` unless ``text`` is valid Unicode of at most :data:`CHARS_PER_TOKEN`
+    characters per token of ``max_model_len``: checked before tokenizing, because
+    tokenizing a huge text costs a minute of CPU and memory that is never given back."""
+    limit = max_model_len * CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise ValueError(
+            f"{field} has {len(text)} characters, more than the {limit} allowed "
+            f"({CHARS_PER_TOKEN} per token of max_model_len={max_model_len}), checked "
+            "before tokenizing"
+        )
+    check_encodable(field, text)
+
+
 @attrs.frozen
 class PreparedRequest:
     """A request checked and tokenized by :meth:`InputProcessor.prepare`, not yet queued."""
@@ -212,14 +226,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty: it must contain at least one character")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
-            limit = self.max_model_len * CHARS_PER_TOKEN
-            if len(prompt) > limit:
-                raise ValueError(
-                    f"prompt has {len(prompt)} characters, more than the {limit} allowed "
-                    f"({CHARS_PER_TOKEN} per token of max_model_len={self.max_model_len}), "
-                    "checked before tokenizing"
-                )
-            check_encodable("prompt", prompt)
+            check_prompt_text("prompt", prompt, self.max_model_len)
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             raise TypeError(

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from llmlab.sampling.params import SamplingParams
+from llmlab.threads import available_cpus
 
 _MASK64 = (1 << 64) - 1
 
@@ -136,8 +137,6 @@ class GrammarFactory:
         if compile_workers is None:
             # A quarter of the usable cores (one on a small machine), each compile on one
             # thread: a schema that compiles for long leaves the rest to the engine.
-            from llmlab.threads import available_cpus
-
             compile_workers = max(1, int(available_cpus()) // 4)
         self.compile_workers = compile_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(

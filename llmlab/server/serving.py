@@ -22,7 +22,7 @@ import threading
 import attrs
 
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from llmlab.engine.inputs import CHARS_PER_TOKEN, render_chat
+from llmlab.engine.inputs import CHARS_PER_TOKEN, check_prompt_text, render_chat
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, bad_request
@@ -136,17 +136,10 @@ class OpenAIServing:
             )
 
     def _check_text(self, field: str, text: str) -> None:
-        """Prompt text is bounded and valid Unicode before it is tokenized (tokenizing a
-        huge text costs a minute of CPU and memory that is never given back)."""
-        limit = self.max_model_len * CHARS_PER_TOKEN
-        if len(text) > limit:
-            raise APIError(
-                f"{field} has {len(text)} characters, more than the {limit} allowed "
-                f"({CHARS_PER_TOKEN} per token of max_model_len={self.max_model_len})",
-                param=field,
-            )
+        """The engine's check of prompt text (bounded, valid Unicode) before this server
+        tokenizes it itself, as an API error."""
         try:
-            check_encodable(field, text)
+            check_prompt_text(field, text, self.max_model_len)
         except ValueError as err:
             raise APIError(str(err), param=field) from None
 
@@ -266,10 +259,7 @@ class OpenAIServing:
             return await asyncio.wait_for(asyncio.wrap_future(future), self._wait_s(request))
         except asyncio.TimeoutError:
             future.cancel()  # still queued behind other templates: never run it
-            raise APIError(
-                f"the chat template took longer than {self.template_timeout_s:g} s to render",
-                param="chat_template",
-            ) from None
+            raise self._too_slow() from None
 
     def render_sync(self, request) -> _Prompt:
         """:meth:`_render` for callers already on a worker thread (``/tokenize``)."""
@@ -278,10 +268,13 @@ class OpenAIServing:
             return future.result(timeout=self._wait_s(request))
         except concurrent.futures.TimeoutError:
             future.cancel()  # still queued behind other templates: never run it
-            raise APIError(
-                f"the chat template took longer than {self.template_timeout_s:g} s to render",
-                param="chat_template",
-            ) from None
+            raise self._too_slow() from None
+
+    def _too_slow(self) -> APIError:
+        return APIError(
+            f"the chat template took longer than {self.template_timeout_s:g} s to render",
+            param="chat_template",
+        )
 
     def _wait_s(self, request) -> float:
         """How long to wait for a render: a request's own template is bounded inside its
@@ -329,10 +322,7 @@ class OpenAIServing:
                     chat_template_kwargs=args[4], max_chars=args[5],
                 )[0]
         except TemplateTimeout:
-            raise APIError(
-                f"the chat template took longer than {self.template_timeout_s:g} s to render",
-                param="chat_template",
-            ) from None
+            raise self._too_slow() from None
         except (ValueError, TypeError) as err:
             raise bad_request(err, _fields(request)) from err
         except Exception as err:  # a Jinja error in a user's template: theirs to fix
