@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from llmlab.dtypes import dtype_from_name
+from llmlab.speculative.config import SpeculativeConfig
 from llmlab.validation import as_bool, as_choice, as_int, as_real, as_seed, as_str
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -121,6 +122,11 @@ class EngineConfig:
             variable if set, else torch's count as ``OMP_NUM_THREADS`` set it, else the
             cores this process may use (CPU affinity and cgroup quota; ``llmlab.threads``).
 
+        speculative_config: speculative decoding (vLLM's ``speculative_config``): a dict
+            such as ``{"method": "ngram", "num_speculative_tokens": 4}``, its JSON, a
+            proposer instance, or a :class:`~llmlab.speculative.config.SpeculativeConfig`;
+            None (default) is off. See ``docs/speculative.md``.
+
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
             built-in architectures only, whatever this says.
@@ -207,6 +213,9 @@ class EngineConfig:
     cpu_fused_ops: bool = attrs.field(default=True, converter=_flag("cpu_fused_ops"))
     cpu_threads: int | None = attrs.field(
         default=None, converter=_positive("cpu_threads", allow_none=True)
+    )
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=SpeculativeConfig.of
     )
     disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
     swap_space: float = attrs.field(

@@ -39,6 +39,7 @@ KINDS: dict[str, str] = {
     "attention_backend": "llmlab.attention",
     "sampler": "llmlab.sampling.sampler",
     "model": "llmlab.models.registry",
+    "proposer": "llmlab.speculative",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -81,6 +82,9 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
     ),
     "sampler": (
         Method("__call__", ("logits", "metadata"), returns="SamplerOutput"),
+    ),
+    "proposer": (
+        Method("propose", ("requests", "k"), returns="list[list[int]] | Proposal"),
     ),
     "model": (
         Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),

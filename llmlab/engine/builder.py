@@ -56,6 +56,8 @@ from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import SchedulingPolicy, as_policy
 from llmlab.scheduler.scheduler import Scheduler
+from llmlab.speculative.proposer import ProposerContext
+from llmlab.speculative.speculator import Speculator
 from llmlab.threads import configure_threads
 
 logger = logging.getLogger(__name__)
@@ -254,6 +256,12 @@ class EngineBuilder:
         )
         runner = runner_for(kv_caches, num_blocks)
         runner.threads = threads
+        length = None
+        if cfg.speculative_config is not None:
+            length = _speculate(
+                cfg.speculative_config, runner, scheduler, attention, hf_config.vocab_size,
+                dtype, tokenizer, max_model_len,
+            )
         if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
             runner.decode_graphs = DecodeGraphs(
                 model=model,
@@ -264,7 +272,7 @@ class EngineBuilder:
                 max_model_len=max_model_len,
                 block_size=cfg.block_size,
             )
-        return Engine(
+        engine = Engine(
             config=cfg,
             scheduler=scheduler,
             executor=runner,
@@ -276,6 +284,34 @@ class EngineBuilder:
             max_logprobs=cfg.max_logprobs,
             grammars=grammars,
         )
+        if callable(getattr(length, "observe", None)):
+            engine.subscribe(length.observe)  # an adaptive length learns from step events
+        return engine
+
+
+def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
+               max_model_len):
+    """Wire speculative decoding: the proposer (bound to this engine) into the runner,
+    the length policy into the scheduler; returns the length policy."""
+    proposer = spec.build_proposer()
+    bind = getattr(proposer, "bind", None)
+    if bind is not None:
+        bind(ProposerContext(
+            vocab_size=vocab_size, device=runner.device, dtype=dtype,
+            block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
+            max_num_seqs=runner.max_num_seqs, max_model_len=max_model_len,
+            attention=attention, tokenizer=tokenizer,
+            prepare=lambda entries: runner.prepare(ScheduledBatch(entries=tuple(entries))),
+        ))
+    if not callable(getattr(runner.sampler, "process", None)):
+        raise ValueError(
+            f"speculative decoding verifies drafts with the sampler's process(logits, "
+            f"metadata); the sampler {type(runner.sampler).__name__} has none"
+        )
+    runner.speculator = Speculator(proposer, vocab_size, runner.max_num_seqs)
+    length = spec.length_policy()
+    scheduler.speculation = length
+    return length
 
 
 def _component(kind: str, value):

@@ -314,6 +314,15 @@ class Engine:
             for r, before in progressed
             if r.num_output_tokens > before
         )
+        speculated = ()
+        if output is not None and output.num_drafted is not None:
+            speculated = tuple(
+                (e.request_id, drafted, len(tokens) - 1)
+                for e, drafted, tokens in zip(
+                    batch.entries, output.num_drafted, output.token_ids, strict=True
+                )
+                if drafted and tokens
+            )
         blocks = self.scheduler.kv.drain_events()
         event = None
         if (
@@ -329,7 +338,7 @@ class Engine:
                 arrived=self._arrived_since_step, sampled=sampled, blocks=blocks,
                 kv=self.scheduler.kv, num_waiting=self.scheduler.num_waiting,
                 num_running=len(self.scheduler.running), start=start, end=self.clock(),
-                model_time=model_time,
+                model_time=model_time, speculated=speculated,
             )
             self._aborted_since_step = []
             self._arrived_since_step = []

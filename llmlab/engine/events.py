@@ -119,6 +119,13 @@ class StepEvent:
             after it (``()``: it holds no blocks now). With ``blocks_evicted`` and
             ``blocks_cached`` this is enough to follow every block's owners and state from
             an :class:`EngineSnapshot`, as the notebook views do.
+        speculated: ``(request_id, num_drafted, num_accepted)`` for each request that
+            speculated this step (its proposer drafted ``num_drafted`` tokens, of which the
+            target accepted the first ``num_accepted``; the step also produced one more
+            token of the target's own). Per position: position ``j`` (1-based) was drafted
+            when ``j <= num_drafted`` and accepted when ``j <= num_accepted``; the
+            definitions built on these are in ``docs/speculative.md``
+            (:class:`~llmlab.speculative.stats.SpecDecodeStats`).
     """
 
     step_index: int
@@ -150,6 +157,7 @@ class StepEvent:
     num_computed: tuple[int, ...] = ()
     blocks_cached: tuple[int, ...] = ()
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    speculated: tuple[tuple[str, int, int], ...] = ()
 
 
 StepObserver = Callable[[StepEvent], None]
@@ -189,6 +197,7 @@ def step_event(
     start: float,
     end: float,
     model_time: float,
+    speculated: tuple[tuple[str, int, int], ...] = (),
 ) -> StepEvent:
     """The event of one step, after its commit. ``requests``: the batch's requests by id
     (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
@@ -226,4 +235,5 @@ def step_event(
         num_computed=tuple([r.num_computed_tokens for r in scheduled_requests]),
         blocks_cached=blocks.cached,
         block_tables=blocks.tables,
+        speculated=speculated,
     )

@@ -83,6 +83,9 @@ class ModelRunner:
     # Set by the builder when the CPU thread count is automatic (llmlab.threads.ThreadGovernor):
     # ticked before each step, it follows how many other tasks compete for the cores.
     threads: Any = attrs.field(init=False, default=None)
+    # Set by the builder when speculative decoding is on (llmlab.speculative.Speculator):
+    # drafts for entries with a lookahead, verified after the forward pass.
+    speculator: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -127,6 +130,8 @@ class ModelRunner:
         reset = getattr(self.attention_state, "reset", None)
         if reset is not None:
             reset()
+        if self.speculator is not None:
+            self.speculator.reset()
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
@@ -137,12 +142,19 @@ class ModelRunner:
             self.block_tables.release(batch.freed_rows)
             for row in batch.freed_rows:
                 self.rows[row] = None
+            if self.speculator is not None:
+                self.speculator.release(batch.freed_rows)
         if batch.block_copies:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
         self._start_rows(batch.entries)
         self.block_tables.apply(batch.entries)
+        if self.speculator is not None and any(e.num_lookahead for e in batch.entries):
+            batch, drafts = self.speculator.propose(batch, self.rows)
+            if drafts:
+                hidden = self.run_model(batch, self.kv_caches, self.attention_state)
+                return self._sample(batch, hidden, drafts)
         hidden = None
         if self.decode_graphs is not None:
             # None: not a batch a graph serves.
@@ -178,9 +190,11 @@ class ModelRunner:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True)")
         return self.grammars
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> BatchOutput:
+    def _sample(
+        self, batch: ScheduledBatch, hidden: torch.Tensor, drafts: list | None = None
+    ) -> BatchOutput:
         entries = batch.entries
-        if hidden.shape[0] == len(entries) and all(
+        if drafts is None and hidden.shape[0] == len(entries) and all(
             e.num_scored == 1 and not e.forks and e.prompt_logprobs_from < 0 for e in entries
         ):
             # One scored token per entry (a decode step): every hidden row is sampled, in
@@ -207,16 +221,15 @@ class ModelRunner:
         prompt_scores: list[Any] = [None] * len(batch.entries)
         prompt_starts: list[int] = [0] * len(batch.entries)
         rows = self.rows
+        drafted = {d.index for d in drafts} if drafts else ()
+        ends: list[int] = []
         offset = 0
         for i, entry in enumerate(batch.entries):
             base, offset = offset, offset + len(entry.token_ids)
+            ends.append(offset)
+            if i in drafted:
+                continue  # verified below
             k = entry.num_scored
-            if k > 1:
-                raise NotImplementedError(
-                    f"request {entry.request_id!r} asks to score {k} positions; the model "
-                    "runner samples one token per request (speculative verification is not "
-                    "built yet)"
-                )
             if entry.prompt_logprobs_from >= 0:
                 scores = self._prompt_logprobs(entry, hidden, base)
                 if scores is not None:
@@ -234,21 +247,49 @@ class ModelRunner:
             "prompt_logprobs": tuple(prompt_scores) if any_prompt else None,
             "prompt_logprobs_start": tuple(prompt_starts) if any_prompt else None,
         }
-        if not scored_rows:
+        verified = {}
+        if drafts:
+            verified = self.speculator.verify(
+                batch, drafts, rows, hidden, ends, self.model.compute_logits, self.sampler,
+                self.generator,
+            )
+            prompt_fields["num_drafted"] = tuple(
+                len(e.token_ids) - 1 if i in verified else 0
+                for i, e in enumerate(batch.entries)
+            )
+        if not scored_rows and not verified:
             empty = BatchOutput.empty(len(batch.entries))
             return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
-        sampled, failed = self._draw(
-            self.model.compute_logits(hidden[scored_rows]), sample_rows, row_ids
-        )
-        return self._output(batch, sampled, failed, prompt_fields)
+        sampled, failed = None, None
+        if scored_rows:
+            sampled, failed = self._draw(
+                self.model.compute_logits(hidden[scored_rows]), sample_rows, row_ids
+            )
+        return self._output(batch, sampled, failed, prompt_fields, verified)
 
-    def _output(self, batch: ScheduledBatch, sampled, failed, prompt_fields) -> BatchOutput:
+    def _output(
+        self, batch: ScheduledBatch, sampled, failed, prompt_fields, verified=None
+    ) -> BatchOutput:
         """Per entry, its token (and its forks' samples) from the sampled rows, in order;
         an entry whose row, or one of whose forks' rows, failed gets no tokens and its
-        failure."""
+        failure. ``verified``: entries whose drafts were verified, with their tokens."""
+        if sampled is None:
+            sampled = SamplerOutput([], [], [])
         tops = getattr(sampled, "top", None) or [None] * len(sampled.token_ids)
+        verified = verified or {}
+        any_top = any(t is not None for t in tops) or any(
+            v[2] is not None for v in verified.values()
+        )
         token_ids, logprobs, top_logprobs, forks, reasons, j = [], [], [], [], [], 0
-        for entry in batch.entries:
+        for i, entry in enumerate(batch.entries):
+            if i in verified:
+                tokens, lps, top = verified[i]
+                token_ids.append(tokens)
+                logprobs.append(lps)
+                top_logprobs.append(top if top is not None else (None,) * len(tokens))
+                forks.append(())
+                reasons.append(None)
+                continue
             if not entry.num_scored:
                 token_ids.append(())
                 logprobs.append(())
@@ -276,7 +317,7 @@ class ModelRunner:
         return BatchOutput(
             tuple(token_ids),
             tuple(logprobs),
-            top_logprobs=tuple(top_logprobs) if any(t is not None for t in tops) else None,
+            top_logprobs=tuple(top_logprobs) if any_top else None,
             forks=tuple(forks) if any(forks) else None,
             failed=tuple(reasons) if failed is not None else None,
             **prompt_fields,

@@ -115,17 +115,8 @@ class Sampler:
         # The full log-softmax only when someone reads the top-k; otherwise the chosen
         # token's logprob is its logit minus the row's logsumexp.
         raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
-        skippable = builtin_only and all(_unchanged_greedy(r) for r in requests)
         batch = metadata
-        if skippable:
-            work = raw  # plain greedy rows and built-in processors only: nothing to change
-        else:
-            # The processors' own copy (contiguous even if ``logits`` is an expanded view).
-            work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            for processor in self.processors:
-                work = processor(work, batch)
-            _revive_dead_rows(work, batch)
-
+        work = self.process(logits, batch, raw=raw)
         tokens = self._draw(work, batch, generator)
         if raw_logprobs is None:
             chosen = raw.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
@@ -134,6 +125,27 @@ class Sampler:
             chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             top = gather_logprobs(raw_logprobs, tokens, [p.logprobs for p in batch.params])
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
+
+    def process(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, raw: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits each row draws from (float32): after the processors, so a greedy
+        row's token is their argmax and a random row's distribution their softmax (what
+        speculative verification compares drafts against). ``raw``: ``logits`` as float32,
+        if the caller has it. May return ``raw`` itself when nothing would change it."""
+        if raw is None:
+            raw = logits.float()
+        if metadata.tokenizer is None:
+            metadata.tokenizer = self.tokenizer
+        builtin_only = all(type(p) in _BUILTIN_PROCESSORS for p in self.processors)
+        if builtin_only and all(_unchanged_greedy(r) for r in metadata.rows):
+            return raw  # plain greedy rows and built-in processors only: nothing to change
+        # The processors' own copy (contiguous even if ``logits`` is an expanded view).
+        work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        for processor in self.processors:
+            work = processor(work, metadata)
+        _revive_dead_rows(work, metadata)
+        return work
 
     def _draw(
         self, logits: torch.Tensor, batch: SamplingMetadata, generator: torch.Generator | None

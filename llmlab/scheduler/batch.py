@@ -86,6 +86,11 @@ class ScheduledRequest(NamedTuple):
         prompt_logprobs_from: for a request asking for prompt logprobs, the first position
             whose next prompt token still needs scoring; -1 when none is asked for.
         num_prompt_tokens: the request's prompt length (what is prefill, what decode).
+        num_lookahead: for a speculating decode, the most draft tokens the executor may
+            propose and verify after ``token_ids`` (the scheduler budgeted ``1 +
+            num_lookahead`` tokens and reserved KV blocks for them); the executor returns
+            the accepted draft tokens followed by one of the target's own. 0: no
+            speculation.
     """
 
     request_id: str
@@ -99,6 +104,7 @@ class ScheduledRequest(NamedTuple):
     forks: tuple[Fork, ...] = ()
     prompt_logprobs_from: int = -1
     num_prompt_tokens: int = 0
+    num_lookahead: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -171,6 +177,7 @@ class ScheduledBatch:
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens scheduled (speculative lookahead not included: see ``num_lookahead``)."""
         return sum(len(e.token_ids) for e in self.entries)
 
     @property
@@ -244,6 +251,9 @@ class BatchOutput:
             processor raised, say), or None; None when every entry went through. The
             scheduler ends a failed request (aborted, with the reason) and the rest of
             the batch goes on.
+        num_drafted: per entry, how many draft tokens were proposed and verified (at most
+            its ``num_lookahead``); its tokens are then the accepted draft tokens and one
+            more, so ``len(token_ids[i]) - 1`` were accepted. None when nothing was drafted.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -253,6 +263,7 @@ class BatchOutput:
     prompt_logprobs_start: tuple[int, ...] | None = None
     forks: tuple[tuple[tuple[int, float, Any], ...], ...] | None = None
     failed: tuple[str | None, ...] | None = None
+    num_drafted: tuple[int, ...] | None = None
 
     @classmethod
     def from_lists(
@@ -275,9 +286,18 @@ class BatchOutput:
             )
         if self.failed is not None and len(self.failed) != n:
             raise ValueError(f"executor returned {len(self.failed)} failure slots for {n} entries")
+        if self.num_drafted is not None and len(self.num_drafted) != n:
+            raise ValueError(f"executor returned {len(self.num_drafted)} draft counts for {n} entries")
         for i, entry in enumerate(batch.entries):
             if self.failed is not None and self.failed[i] is not None:
                 continue  # a failed entry carries no tokens
+            drafted = 0 if self.num_drafted is None else self.num_drafted[i]
+            if not 0 <= drafted <= entry.num_lookahead or len(self.token_ids[i]) > 1 + drafted:
+                raise ValueError(
+                    f"entry {entry.request_id!r} may verify {entry.num_lookahead} draft "
+                    f"tokens, but the executor reports {drafted} drafted and returned "
+                    f"{len(self.token_ids[i])} tokens (at most one more than drafted)"
+                )
             if entry.forks and (self.forks is None or len(self.forks[i]) != len(entry.forks)):
                 got = None if self.forks is None else len(self.forks[i])
                 raise ValueError(

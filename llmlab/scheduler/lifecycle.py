@@ -58,13 +58,19 @@ class Lifecycle:
                 continue
             start = entry.start
             end = start + len(entry.token_ids)
+            speculated = entry.num_lookahead and token_ids
+            if speculated:
+                # The accepted draft tokens' KV is valid too (verification computed it);
+                # the rejected ones' is not, and their whole blocks go back below.
+                end += len(token_ids) - 1
             request.num_computed_tokens = end
             new_prompt = 0
             if start < entry.num_prompt_tokens:  # prompt positions (first time or again)
                 prompt_end = min(end, entry.num_prompt_tokens)
                 new_prompt = max(0, prompt_end - max(start, request.num_prompt_computed))
                 request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
-            cache_computed_blocks(request)
+            if not speculated:
+                cache_computed_blocks(request)
             if prompt_logprobs is not None and prompt_logprobs[i]:
                 request.add_prompt_logprobs(output.prompt_logprobs_start[i], prompt_logprobs[i])
             if entry.forks and request.forks:
@@ -85,6 +91,12 @@ class Lifecycle:
                     self._finish(request, status)
                     finished.append(request)
                     break
+            if entry.num_lookahead and request.status is running:
+                # Keep the blocks of the tokens known now (the last one is written next
+                # step); blocks reserved for rejected or unproposed drafts go back.
+                request.num_computed_tokens = min(end, request.num_tokens - 1)
+                self.kv.truncate(request, request.num_tokens)
+                cache_computed_blocks(request)  # only accepted full blocks enter the index
             if on_step is not None:
                 served.append(Served(request.view, len(entry.token_ids), new_prompt, num_generated))
         if on_step is not None and served:

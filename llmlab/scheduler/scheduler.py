@@ -66,6 +66,12 @@ class Scheduler(Lifecycle):
         running: admitted requests, in admission order.
         chunked_prefill: split prompts across steps; when False a prompt is admitted only
             when its whole remaining prefill fits the step's budget.
+        speculation: speculative decoding's length policy
+            (:class:`~llmlab.speculative.length.SpeculationLength`), or None (off). Each
+            step it gives every running decode a lookahead ``k``; the scheduler budgets
+            ``1 + k`` tokens and reserves their KV blocks (never preempting for a draft:
+            when they do not fit, the request decodes plainly), and after verification
+            keeps the accepted tokens' KV and returns the blocks past them.
     """
 
     kv: KVCacheManager
@@ -74,6 +80,7 @@ class Scheduler(Lifecycle):
     max_model_len: int
     policy: SchedulingPolicy = attrs.field(factory=FCFS)
     chunked_prefill: bool = True
+    speculation: Any = None
     running: list[Request] = attrs.field(factory=list)
     # Requests waiting (queued in the policy, or popped during this step's admission).
     _waiting: dict[str, Request] = attrs.field(init=False, factory=dict)
@@ -144,15 +151,23 @@ class Scheduler(Lifecycle):
         self._scheduled = {}
 
         unscheduled = self._running_order(now)
+        lookahead = None
+        if self.speculation is not None and unscheduled:
+            lookahead = self._lookahead(unscheduled)
         while unscheduled is not None and unscheduled and budget > 0:
             request = unscheduled.popleft()
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            scheduled = self._grow(request, num_new, unscheduled, preempted, now)
+            k = lookahead.get(request.request_id, 0) if lookahead else 0
+            if k:
+                k = self._reserve_lookahead(request, min(k, budget - 1))
+                if k is None:  # a component failed
+                    break
+            scheduled = True if k else self._grow(request, num_new, unscheduled, preempted, now)
             if scheduled is None:  # a component failed: stop scheduling this step
                 break
             if scheduled:
-                entries.append(self._entry(request, num_new, new_row=False))
-                budget -= num_new
+                entries.append(self._entry(request, num_new, new_row=False, lookahead=k))
+                budget -= num_new + k
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
@@ -165,6 +180,54 @@ class Scheduler(Lifecycle):
             block_copies=tuple(self.kv.take_block_copies()),
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
+
+    def _lookahead(self, running) -> dict[str, int] | None:
+        """Each running decode's speculative lookahead this step, from the length policy
+        (requests with a grammar decode plainly); None when the policy failed."""
+        candidates = [
+            r for r in running
+            if r.num_tokens - r.num_computed_tokens == 1
+            and r.sampling_params.structured_outputs is None
+        ]
+        if not candidates:
+            return None
+        policy = self.speculation
+        try:
+            answer = list(policy.lengths(views(candidates), len(self.running)))
+        except Exception as err:  # noqa: BLE001 - user code; reported after the step
+            self._errors.append(ComponentError.wrap("speculation length", policy, "lengths", err))
+            return None
+        k_max = policy.num_speculative_tokens
+        if len(answer) != len(candidates) or not all(
+            isinstance(k, int) and 0 <= k <= k_max for k in answer
+        ):
+            self._errors.append(ComponentError(
+                "speculation length", policy, "lengths",
+                f"returned {answer!r}, which is not one int in [0, {k_max}] per candidate",
+            ))
+            return None
+        lengths = {}
+        for request, k in zip(candidates, answer, strict=True):
+            if k:
+                # No draft past the length limits: the step emits at most k + 1 tokens.
+                params = request.sampling_params
+                room = self.max_model_len - request.num_tokens
+                if params.max_tokens is not None:
+                    room = min(room, params.max_tokens - request.num_output_tokens - 1)
+                if room > 0:
+                    lengths[request.request_id] = min(k, room)
+        return lengths
+
+    def _reserve_lookahead(self, request: Request, k: int) -> int | None:
+        """KV for a decode plus ``k`` draft tokens, if the pool has it without preempting
+        anyone: ``k``, or 0 (decode plainly), or None when the eviction policy failed."""
+        if k <= 0:
+            return 0
+        try:
+            return k if self.kv.allocate(request, 1 + k) else 0
+        except ComponentError as err:
+            self._errors.append(err)
+            return None
 
     def _running_order(self, now: float) -> collections.deque[Request] | None:
         """Running requests in the order they get budget; None if the policy failed."""
@@ -347,7 +410,9 @@ class Scheduler(Lifecycle):
         entries.append(self._entry(request, num_new, new_row=True))
         return True, budget - num_new
 
-    def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
+    def _entry(
+        self, request: Request, num_new: int, *, new_row: bool, lookahead: int = 0
+    ) -> ScheduledRequest:
         """The request's share of the step, as plain data (see :mod:`.batch`)."""
         rid = request.request_id
         self._scheduled[rid] = request
@@ -377,7 +442,7 @@ class Scheduler(Lifecycle):
             rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
             blocks, 1 if scored else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
-            len(request.prompt_token_ids),
+            len(request.prompt_token_ids), lookahead,
         )
 
     # -- user policy calls -------------------------------------------------------------
