@@ -287,7 +287,9 @@ class BatchOutput:
         if self.failed is not None and len(self.failed) != n:
             raise ValueError(f"executor returned {len(self.failed)} failure slots for {n} entries")
         if self.num_drafted is not None and len(self.num_drafted) != n:
-            raise ValueError(f"executor returned {len(self.num_drafted)} draft counts for {n} entries")
+            raise ValueError(
+                f"executor returned {len(self.num_drafted)} draft counts for {n} entries"
+            )
         for i, entry in enumerate(batch.entries):
             if self.failed is not None and self.failed[i] is not None:
                 continue  # a failed entry carries no tokens

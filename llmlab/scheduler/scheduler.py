@@ -154,24 +154,25 @@ class Scheduler(Lifecycle):
         lookahead = None
         if self.speculation is not None and unscheduled:
             lookahead = self._lookahead(unscheduled)
+        drafting: list[tuple[int, Request, int]] = []  # (entry index, request, lookahead)
         while unscheduled is not None and unscheduled and budget > 0:
             request = unscheduled.popleft()
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            k = lookahead.get(request.request_id, 0) if lookahead else 0
-            if k:
-                k = self._reserve_lookahead(request, min(k, budget - 1))
-                if k is None:  # a component failed
-                    break
-            scheduled = True if k else self._grow(request, num_new, unscheduled, preempted, now)
+            scheduled = self._grow(request, num_new, unscheduled, preempted, now)
             if scheduled is None:  # a component failed: stop scheduling this step
                 break
             if scheduled:
-                entries.append(self._entry(request, num_new, new_row=False, lookahead=k))
-                budget -= num_new + k
+                k = lookahead.get(request.request_id, 0) if lookahead else 0
+                if k:
+                    drafting.append((len(entries), request, k))
+                entries.append(self._entry(request, num_new, new_row=False))
+                budget -= num_new
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
-            self._admit(entries, budget, preempted, now)
+            budget = self._admit(entries, budget, preempted, now)
+        if drafting and not preempted and not self._errors:
+            self._extend(entries, drafting, budget)
         freed = self._rows.drain_released()
         return ScheduledBatch(
             entries=tuple(entries),
@@ -218,16 +219,33 @@ class Scheduler(Lifecycle):
                     lengths[request.request_id] = min(k, room)
         return lengths
 
-    def _reserve_lookahead(self, request: Request, k: int) -> int | None:
-        """KV for a decode plus ``k`` draft tokens, if the pool has it without preempting
-        anyone: ``k``, or 0 (decode plainly), or None when the eviction policy failed."""
-        if k <= 0:
-            return 0
-        try:
-            return k if self.kv.allocate(request, 1 + k) else 0
-        except ComponentError as err:
-            self._errors.append(err)
-            return None
+    def _extend(
+        self, entries: list[ScheduledRequest], drafting: list[tuple[int, Request, int]],
+        budget: int,
+    ) -> None:
+        """Give decodes their lookahead from what the step left: budget and KV blocks
+        after every running request and every admission got theirs, so a draft never
+        preempts or holds back anyone. A decode whose lookahead does not fit decodes
+        plainly."""
+        for index, request, k in drafting:
+            k = min(k, budget)
+            if k <= 0:
+                break
+            try:
+                if not self.kv.allocate(request, 1 + k):
+                    continue
+            except ComponentError as err:
+                self._errors.append(err)
+                return
+            entry = entries[index]
+            # The entry's table change, widened by what the lookahead added.
+            first, _ = self.kv.table_delta(request.request_id)
+            first = min(first, entry.blocks_from)
+            entries[index] = entry._replace(
+                num_lookahead=k, blocks_from=first,
+                blocks=self.kv.block_table(request.request_id)[first:],
+            )
+            budget -= k
 
     def _running_order(self, now: float) -> collections.deque[Request] | None:
         """Running requests in the order they get budget; None if the policy failed."""
@@ -284,7 +302,8 @@ class Scheduler(Lifecycle):
 
     def _admit(
         self, entries: list[ScheduledRequest], budget: int, preempted: list[str], now: float
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests with what is left of the budget; returns what remains."""
         admit = self._optional("admit")
         preempt_for = self._optional("preempt_for")
         handed_back: list[Request] = []  # popped, not admitted: pushed back at the end
@@ -333,6 +352,7 @@ class Scheduler(Lifecycle):
                 admitted_now.add(id(request))
         for request in handed_back:
             self._push(request, now)
+        return budget
 
     def _place(
         self,
@@ -410,9 +430,7 @@ class Scheduler(Lifecycle):
         entries.append(self._entry(request, num_new, new_row=True))
         return True, budget - num_new
 
-    def _entry(
-        self, request: Request, num_new: int, *, new_row: bool, lookahead: int = 0
-    ) -> ScheduledRequest:
+    def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         """The request's share of the step, as plain data (see :mod:`.batch`)."""
         rid = request.request_id
         self._scheduled[rid] = request
@@ -442,7 +460,7 @@ class Scheduler(Lifecycle):
             rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
             blocks, 1 if scored else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
-            len(request.prompt_token_ids), lookahead,
+            len(request.prompt_token_ids),
         )
 
     # -- user policy calls -------------------------------------------------------------

@@ -34,6 +34,7 @@ _METHOD_OPTIONS = {
         "suffix_decoding_max_tree_depth": "max_depth",
         "suffix_decoding_max_cached_tokens": "max_global_tokens",
         "suffix_decoding_min_token_prob": "min_token_prob",
+        "suffix_decoding_max_spec_factor": "max_spec_factor",
     },
     "draft_model": {"model": "model"},
     "synthetic": {"synthetic_acceptance_rates": "rates"},
@@ -174,7 +175,9 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """vLLM's spelling (for recordings and logs); a proposer instance by class name."""
-        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        out: dict[str, Any] = {
+            "method": self.method, "num_speculative_tokens": self.num_speculative_tokens
+        }
         out.update(self.options)
         if self.proposer is not None:
             out["proposer"] = type(self.proposer).__name__

@@ -117,7 +117,8 @@ class DraftModelProposer:
                     gen = None
                     if r.seed is not None:
                         gen = torch.Generator(device=device)
-                        gen.manual_seed(stream_seed(r.seed ^ _DRAFT_STREAM, len(r.token_ids) + step))
+                        index = len(r.token_ids) + step
+                        gen.manual_seed(stream_seed(r.seed ^ _DRAFT_STREAM, index))
                     tokens[i] = torch.multinomial(q, 1, generator=gen)[0]
                     probs[i].append(q)
             chosen = tokens.tolist()
@@ -125,7 +126,9 @@ class DraftModelProposer:
                 drafts[i].append(token)
             if step + 1 < k:
                 entries = [
-                    ScheduledRequest(e.request_id, e.row, e.start + len(e.token_ids), (t,), 0, (), 1)
+                    ScheduledRequest(
+                        e.request_id, e.row, e.start + len(e.token_ids), (t,), 0, (), 1
+                    )
                     for e, t in zip(entries, chosen, strict=True)
                 ]
         for r in requests:
@@ -140,7 +143,8 @@ class DraftModelProposer:
         attention = self._ctx.attention
         input_ids, positions, inputs = self._ctx.prepare(entries)
         metadata = attention.build_metadata(inputs)
-        hidden = self._net(input_ids, positions, AttentionContext(attention, metadata, self._kv_caches))
+        context = AttentionContext(attention, metadata, self._kv_caches)
+        hidden = self._net(input_ids, positions, context)
         last = np.cumsum([len(e.token_ids) for e in entries]) - 1
         return self._net.compute_logits(hidden[torch.from_numpy(last).to(hidden.device)])
 
