@@ -182,14 +182,18 @@ class EngineBuilder:
             prepack = reason is None and (
                 cfg.cpu_linear == "onednn" or dtype in auto_packed_dtypes()
             )
-        model = load_model(model_path, hf_config, dtype, device)
-        if prepack:
-            prepack_linears(model)
-        if (
-            device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
-            and cpu_kernels.load() is not None
-        ):
-            model.fused_ops = True
+        def for_device(model: torch.nn.Module) -> torch.nn.Module:
+            """The CPU treatment every model of this engine gets (a draft model too)."""
+            if prepack:
+                prepack_linears(model)
+            if (
+                device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
+                and cpu_kernels.load() is not None
+            ):
+                model.fused_ops = True
+            return model
+
+        model = for_device(load_model(model_path, hf_config, dtype, device))
         tokenizer = None
         if not cfg.skip_tokenizer_init:
             tokenizer = load_tokenizer(
@@ -260,7 +264,7 @@ class EngineBuilder:
         if cfg.speculative_config is not None:
             length = _speculate(
                 cfg.speculative_config, runner, scheduler, attention, hf_config.vocab_size,
-                dtype, tokenizer, max_model_len,
+                dtype, tokenizer, max_model_len, for_device,
             )
         if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
             runner.decode_graphs = DecodeGraphs(
@@ -290,7 +294,7 @@ class EngineBuilder:
 
 
 def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
-               max_model_len):
+               max_model_len, for_device):
     """Wire speculative decoding: the proposer (bound to this engine) into the runner,
     the length policy into the scheduler; returns the length policy."""
     proposer = spec.build_proposer()
@@ -302,6 +306,7 @@ def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
             max_num_seqs=runner.max_num_seqs, max_model_len=max_model_len,
             attention=attention, tokenizer=tokenizer,
             prepare=lambda entries: runner.prepare(ScheduledBatch(entries=tuple(entries))),
+            for_device=for_device,
         ))
     if not callable(getattr(runner.sampler, "process", None)):
         raise ValueError(

@@ -78,6 +78,8 @@ class DraftModelProposer:
                 "target's vocabulary"
             )
         self._net = load_model(path, hf_config, ctx.dtype, ctx.device)
+        if ctx.for_device is not None:
+            self._net = ctx.for_device(self._net)
         self._kv_caches = allocate_kv_caches(
             ctx.attention, self._net.kv_layout, ctx.num_kv_blocks, ctx.block_size,
             ctx.dtype, ctx.device,

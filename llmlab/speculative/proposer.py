@@ -112,6 +112,8 @@ class ProposerContext:
             model inputs for :class:`~llmlab.scheduler.batch.ScheduledRequest` spans over
             the runner's per-row block tables (a draft model's forward pass addresses its
             own paged cache through them).
+        for_device: ``for_device(model) -> model``: what the engine does to its own model
+            after loading it (on CPU: prepacked linears, fused kernels), for a draft model.
     """
 
     vocab_size: int
@@ -124,6 +126,7 @@ class ProposerContext:
     attention: Any = None
     tokenizer: Any = None
     prepare: Any = None
+    for_device: Any = None
 
 
 @runtime_checkable

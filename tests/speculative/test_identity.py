@@ -92,3 +92,23 @@ def test_target_as_its_own_draft_accepts_everything(spec_models):
     drafted = sum(d for e in events for _, d, _ in e.speculated)
     accepted = sum(a for e in events for _, _, a in e.speculated)
     assert drafted > 50 and accepted == drafted
+
+
+def test_the_documented_proposer_is_short_and_exact(tiny_llama):
+    """The proposer in docs/components.md: at most ~20 lines, and outputs unchanged."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "components.md").read_text()
+    section = doc.split("## Speculative proposers", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    cls = code.split("\n\nllm = ")[0]
+    assert len(cls.strip().splitlines()) <= 20
+    namespace: dict = {}
+    exec(cls, namespace)  # noqa: S102 - the documented example itself
+    proposer = namespace["RepeatedBigram"]()
+    expected, _ = _baseline(tiny_llama, 16)
+    got, events = _run(tiny_llama, 16, {"proposer": proposer, "num_speculative_tokens": 4,
+                                        "speculation_length": "fixed"})
+    assert got == expected
+    assert sum(a for e in events for _, _, a in e.speculated) > 0
