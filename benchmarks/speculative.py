@@ -13,8 +13,8 @@ Two workloads over the built-in story model (``llmlab-stories``; its draft partn
 * ``free``: the output does not copy: a story's first sentence, sampled at temperature 1.0
   (seeded per request): drafts are poor, the workload where speculation usually loses.
 
-At each concurrency (1, 8, 64: that many requests, all queued at once, ``max_num_seqs`` =
-concurrency) every method runs the same requests: ``off`` first (the baseline), then each
+At each concurrency (1, 8, 64: ``max_num_seqs`` = concurrency, with 4 requests per slot
+queued at once so the slots stay busy) every method runs the same requests: ``off`` first (the baseline), then each
 proposer with the default adaptive length (``--length fixed`` to draft every step).
 Reported per run: output tokens/s, the ratio to ``off`` in the same run, mean acceptance
 length (1 + accepted / drafts: tokens per verification step, bonus included), acceptance
@@ -79,7 +79,7 @@ def workload(kind: str, n: int, seed: int = 0) -> tuple[list[str], list[Sampling
     return prompts, params
 
 
-def run(method: str, kind: str, concurrency: int, length: str, k: int) -> dict:
+def run(method: str, kind: str, concurrency: int, length: str, k: int, per_slot: int) -> dict:
     config = METHODS[method]
     if config is not None:
         config = config | {"num_speculative_tokens": k, "speculation_length": length}
@@ -87,7 +87,7 @@ def run(method: str, kind: str, concurrency: int, length: str, k: int) -> dict:
               max_model_len=512, seed=0)
     warm_prompts, warm_params = workload(kind, min(concurrency, 4), seed=99)
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
-    prompts, params = workload(kind, concurrency, seed=1)
+    prompts, params = workload(kind, concurrency * per_slot, seed=1)
     events = []
     llm.llm_engine.subscribe(events.append)
     start = time.perf_counter()
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", default="adaptive", choices=("adaptive", "fixed"))
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--requests-per-slot", type=int, default=4,
+                        help="requests queued per concurrent slot (the queue keeps every "
+                        "slot busy, so one slow request does not decide the time)")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     if methods[0] != "off":
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                 shuffled = methods[:]
                 order.shuffle(shuffled)
                 for method in shuffled:
-                    result = run(method, kind, concurrency, args.length, args.k)
+                    result = run(method, kind, concurrency, args.length, args.k,
+                                 args.requests_per_slot)
                     if method not in best or result["tok_s"] > best[method]["tok_s"]:
                         best[method] = result
             base = best["off"]

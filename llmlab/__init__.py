@@ -29,6 +29,7 @@ from llmlab.sampling.params import (
     StructuredOutputsParams,
 )
 from llmlab.scheduler.policy import Policy
+from llmlab.speculative import DraftRequest, Proposal, SpecDecodeStats, SpeculativeConfig
 
 # vLLM's names for the engine classes.
 LLMEngine = Engine
@@ -53,6 +54,10 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "Policy",
+    "DraftRequest",
+    "Proposal",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
     "Request",
     "RequestOutput",
     "RequestOutputKind",

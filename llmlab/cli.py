@@ -2,6 +2,7 @@
 
     llmlab generate "Hello, my name is" --max-tokens 32 --temperature 0.8
     llmlab generate "Hello" --model Qwen/Qwen3-0.6B --scheduling-policy fair
+    llmlab generate "Hello" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     llmlab components            # every registered policy and backend, with its one-line doc
     llmlab serve [MODEL] --port 8000 --api-key KEY     # an OpenAI-compatible server
     llmlab bench serve --base-url http://127.0.0.1:8000 --num-prompts 100
@@ -51,6 +52,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch/OpenMP threads (default: $LLMLAB_CPU_THREADS, else "
                         "$OMP_NUM_THREADS, else the cores this process may use)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (default off; docs/speculative.md)')
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +157,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "cpu_linear": args.cpu_linear,
         "cpu_fused_ops": args.cpu_fused_ops,
         "cpu_threads": args.cpu_threads,
+        "speculative_config": args.speculative_config,
     }
 
 

@@ -126,12 +126,13 @@ class EngineConfig:
             such as ``{"method": "ngram", "num_speculative_tokens": 4}``, its JSON, a
             proposer instance, or a :class:`~llmlab.speculative.config.SpeculativeConfig`;
             None (default) is off. See ``docs/speculative.md``.
+        disable_log_stats: as in vLLM, ``LLM.get_metrics()`` needs ``False`` (then ``LLM``
+            keeps counters from the step events); llmlab logs no periodic stats either way
+            (per-step numbers are in the engine's ``StepEvent``s).
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
             built-in architectures only, whatever this says.
-        disable_log_stats: llmlab logs no periodic stats; per-step numbers are in the
-            engine's ``StepEvent``s.
         swap_space: GiB of CPU memory per GPU for swapped-out KV blocks. Unused: llmlab
             preempts by recompute (a preempted request's blocks are freed and its tokens
             recomputed on resumption), so nothing is ever swapped.

@@ -15,6 +15,7 @@ import numpy as np
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.inputs import PromptType, render_chat
+from llmlab.engine.metrics_reader import EngineCounters, Metric, collect
 from llmlab.engine.outputs import RequestOutput
 from llmlab.sampling.beam_search import (
     BeamSearchOutput,
@@ -23,6 +24,7 @@ from llmlab.sampling.beam_search import (
     candidates_per_beam,
 )
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
+from llmlab.speculative.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,12 @@ class LLM:
     ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``kv_cache_memory_bytes``, ...), plus component instances to swap in:
     ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler``.
+
+    With ``disable_log_stats=False`` (vLLM's switch; off by default, as in vLLM, so a
+    plain ``LLM`` adds no step observer), ``spec_decode_stats`` (a
+    :class:`~llmlab.speculative.stats.SpecDecodeStats`) counts speculative decoding's
+    drafts and acceptance from construction on, and :meth:`get_metrics` reports it with
+    the token and request totals; otherwise ``spec_decode_stats`` is None.
     """
 
     def __init__(
@@ -72,6 +80,29 @@ class LLM:
         # One generate() at a time: a second thread waits for the first to finish rather
         # than interleaving requests and steps with it.
         self._lock = threading.Lock()
+        self.spec_decode_stats: SpecDecodeStats | None = None
+        self._counters: EngineCounters | None = None
+        if not self.llm_engine.config.disable_log_stats:
+            self.spec_decode_stats = SpecDecodeStats()
+            self._counters = EngineCounters()
+            self.llm_engine.subscribe(self.spec_decode_stats)
+            self.llm_engine.subscribe(self._counters)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``LLM.get_metrics()``: counters since this ``LLM`` was made, and gauges of
+        the latest step (names and records: :mod:`llmlab.engine.metrics_reader`). Needs
+        ``disable_log_stats=False``, as vLLM's does."""
+        config = self.llm_engine.config
+        if self._counters is None or self.spec_decode_stats is None:
+            raise ValueError(
+                "get_metrics() needs stats, which are off: build the LLM with "
+                "disable_log_stats=False (got disable_log_stats=True, the default, as in vLLM)"
+            )
+        spec = config.speculative_config
+        return collect(
+            self._counters, self.spec_decode_stats, model_name=config.model,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()

@@ -9,6 +9,12 @@ real one when serving).
 Per-request latencies (TTFT, inter-token, end-to-end, queueing) are observed for requests
 seen being admitted; a parallel sample (``n > 1``) counts its tokens and its finish but
 shares its request's latencies.
+
+Speculative decoding's counters are vLLM's (``spec_decode_num_drafts``,
+``_num_draft_tokens``, ``_num_accepted_tokens``, ``_num_accepted_tokens_per_pos`` with a
+0-based ``position`` label), plus ``_num_draft_tokens_per_pos``, the denominator of
+llmlab's per-position acceptance rate (``docs/speculative.md``, "Definitions"). They stay
+at zero without speculation.
 """
 
 from __future__ import annotations
@@ -101,6 +107,25 @@ class EngineMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first admission.", _REQUEST_BUCKETS
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Drafts verified (one per request per step with a draft)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Tokens drafted."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Drafted tokens the target accepted."
+        )
+        self._accepted_per_pos = Counter(
+            "llmlab:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0-based).",
+            ["model_name", "position"], registry=reg,
+        )
+        self._drafted_per_pos = Counter(
+            "llmlab:spec_decode_num_draft_tokens_per_pos",
+            "Drafted tokens by position in the draft (0-based).",
+            ["model_name", "position"], registry=reg,
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
 
@@ -148,6 +173,31 @@ class EngineMetrics:
         for request_id in event.aborted:
             self.request_success("abort").inc()
             self._tracked.pop(request_id, None)
+        if event.speculated:
+            self._observe_drafts(event.speculated)
+
+    def _observe_drafts(self, speculated: tuple[tuple[str, int, int], ...]) -> None:
+        # Summed per position first: one increment per labelled child, not per token.
+        drafted: list[int] = []
+        accepted: list[int] = []
+        num_drafts = 0
+        for _, num_drafted, num_accepted in speculated:
+            if num_drafted <= 0:
+                continue
+            num_drafts += 1
+            if num_drafted > len(drafted):
+                drafted.extend([0] * (num_drafted - len(drafted)))
+                accepted.extend([0] * (num_drafted - len(accepted)))
+            for pos in range(num_drafted):
+                drafted[pos] += 1
+            for pos in range(num_accepted):
+                accepted[pos] += 1
+        self.spec_decode_num_drafts.inc(num_drafts)
+        self.spec_decode_num_draft_tokens.inc(sum(drafted))
+        self.spec_decode_num_accepted_tokens.inc(sum(accepted))
+        for pos, (num_drafted, num_accepted) in enumerate(zip(drafted, accepted)):
+            self._drafted_per_pos.labels(self.model_name, str(pos)).inc(num_drafted)
+            self._accepted_per_pos.labels(self.model_name, str(pos)).inc(num_accepted)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -26,6 +26,7 @@ from llmlab.speculative.proposer import (
     Verified,
 )
 from llmlab.speculative.speculator import Speculator
+from llmlab.speculative.stats import SpecDecodeStats
 from llmlab.speculative.suffix import SuffixProposer
 from llmlab.speculative.synthetic import SyntheticProposer
 
@@ -40,6 +41,7 @@ __all__ = [
     "Proposer",
     "ProposerContext",
     "SpeculationLength",
+    "SpecDecodeStats",
     "SpeculativeConfig",
     "Speculator",
     "SuffixProposer",

@@ -119,6 +119,7 @@ class AdaptiveLength:
     _steps: list[tuple[float, float]] = attrs.field(init=False, factory=list)
     _rng: random.Random = attrs.field(init=False)
     _fit: tuple[float, float] | None = attrs.field(init=False, default=None)
+    _num_steps: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -156,23 +157,31 @@ class AdaptiveLength:
         return 1.0, self.initial_token_cost
 
     def lengths(self, candidates: Sequence[Any], num_running: int) -> list[int]:
-        k_max = self.num_speculative_tokens
         c0, c1 = self.cost()
         batch = max(len(candidates), 1)
         threshold = c1 * batch / (c0 + c1 * batch)
+        # Runs every step for every decode: requests not yet measured share one answer.
+        prior = self.alpha
+        k_prior = self._k(prior, threshold)
+        stats, w = self._requests, self.prior_weight
+        probe = self.probe_rate / batch
+        random = self._rng.random
         out = []
         for view in candidates:
-            alpha = self.acceptance(view.request_id)
-            if alpha <= threshold or alpha <= 0.0:
-                k = 0
-            elif alpha >= 1.0 or threshold <= 0.0:
-                k = k_max
-            else:
-                k = min(k_max, int(math.log(threshold) / math.log(alpha)))
-            if k == 0 and self._rng.random() < self.probe_rate / batch:
+            own = stats.get(view.request_id)
+            k = k_prior if own is None else self._k((own[0] + w * prior) / (own[1] + w), threshold)
+            if k == 0 and random() < probe:
                 k = 1
             out.append(k)
         return out
+
+    def _k(self, alpha: float, threshold: float) -> int:
+        """The largest ``j <= num_speculative_tokens`` with ``alpha ** j > threshold``."""
+        if alpha <= threshold or alpha <= 0.0:
+            return 0
+        if alpha >= 1.0 or threshold <= 0.0:
+            return self.num_speculative_tokens
+        return min(self.num_speculative_tokens, int(math.log(threshold) / math.log(alpha)))
 
     def observe(self, event: Any) -> None:
         """Learn from a step: acceptance per request, and the step's cost."""
@@ -194,4 +203,6 @@ class AdaptiveLength:
             self._steps.append((float(tokens), float(event.model_time_s)))
             if len(self._steps) > self.window:
                 del self._steps[: len(self._steps) - self.window]
-            self._fit = None
+            self._num_steps += 1
+            if self._num_steps % 8 == 0:
+                self._fit = None  # refit every few steps: the cost drifts slowly

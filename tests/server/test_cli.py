@@ -151,3 +151,35 @@ def test_the_console_script_takes_a_policy_from_the_current_directory(tiny_llama
     )
     assert result.returncode == 0, result.stderr
     assert "Completion:" in result.stdout
+
+
+def test_generate_with_speculative_config_prints_the_same_greedy_text(capsys):
+    from llmlab.builtin import builtin_model_path
+
+    prompt = ("Once upon a time, there was a shy boy named Lucky who lived in a little house. "
+              "Once upon a time")
+    args = ["generate", prompt, "--model", str(builtin_model_path()), "--max-tokens", "24",
+            *CLI_KV_FLAGS]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert main([*args, "--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
+    assert "Completion: " in plain
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("config, message", [
+    ("{bad", "speculative_config is not valid JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' needs a trained draft head"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "'num_speculative_tokens' must be"),
+])
+def test_a_bad_speculative_config_is_one_error_line_and_exit_2(capsys, command, config,
+                                                                message):
+    from llmlab.builtin import builtin_model_path
+
+    args = [command, *(["x"] if command == "generate" else []),
+            "--model", str(builtin_model_path()), "--speculative-config", config]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
