@@ -182,9 +182,10 @@ class EngineBuilder:
             prepack = reason is None and (
                 cfg.cpu_linear == "onednn" or dtype in auto_packed_dtypes()
             )
-        def for_device(model: torch.nn.Module) -> torch.nn.Module:
-            """The CPU treatment every model of this engine gets (a draft model too)."""
-            if prepack:
+        def for_device(model: torch.nn.Module, pack: bool = True) -> torch.nn.Module:
+            """The CPU treatment every model of this engine gets (a draft model too;
+            ``pack=False`` keeps plain linears)."""
+            if prepack and pack:
                 prepack_linears(model)
             if (
                 device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
@@ -264,7 +265,7 @@ class EngineBuilder:
         if cfg.speculative_config is not None:
             length = _speculate(
                 cfg.speculative_config, runner, scheduler, attention, hf_config.vocab_size,
-                dtype, tokenizer, max_model_len, for_device,
+                dtype, tokenizer, max_model_len, for_device, cfg.seed,
             )
         if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
             runner.decode_graphs = DecodeGraphs(
@@ -294,7 +295,7 @@ class EngineBuilder:
 
 
 def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
-               max_model_len, for_device):
+               max_model_len, for_device, seed):
     """Wire speculative decoding: the proposer (bound to this engine) into the runner,
     the length policy into the scheduler; returns the length policy."""
     proposer = spec.build_proposer()
@@ -306,7 +307,7 @@ def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
             max_num_seqs=runner.max_num_seqs, max_model_len=max_model_len,
             attention=attention, tokenizer=tokenizer,
             prepare=lambda entries: runner.prepare(ScheduledBatch(entries=tuple(entries))),
-            for_device=for_device,
+            for_device=for_device, seed=seed,
         ))
     if not callable(getattr(runner.sampler, "process", None)):
         raise ValueError(

@@ -16,12 +16,10 @@ default: drafts only as far as the measured acceptance pays for the verification
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
-import numpy as np
 
 
 def _at_least_one(instance: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -86,43 +84,47 @@ class BatchSizeLength:
 
 @attrs.define
 class AdaptiveLength:
-    """Drafts as far as measured acceptance pays for the verification cost (the default).
+    """Speculates where it measurably pays (the default).
 
-    Two things are measured from the step events:
+    Two decisions, both from measurements in the step events:
 
-    * each request's acceptance: a draft of ``m`` tokens with ``a`` accepted is ``a``
-      successes in ``a + (a < m)`` trials of a per-token acceptance ``alpha``; a request's
-      estimate starts from the engine-wide one (``prior_weight`` trials of it);
-    * what a step costs: ``time = c0 + c1 * tokens`` (tokens computed: scheduled plus
-      drafted), fitted by least squares over the last ``window`` steps.
+    * **Whether to speculate at all, per batch size.** Steps are sorted into buckets by
+      their number of decodes (1, 2, 3-4, 5-8, ...: powers of two). In each bucket the
+      policy keeps the throughput of decode steps (tokens emitted / step wall time,
+      exponentially averaged) with speculation on and with it off, and uses the faster
+      mode; every ``explore_every`` steps of a bucket it runs ``explore_steps`` steps of
+      the other one, so a change (longer contexts, better drafts) is noticed; each probe
+      that confirms the choice doubles the wait before the next (up to 16 times). The
+      first step after a switch is not measured: it carries the switch's one-off cost (a
+      draft model catching up on the tokens it missed), not the mode's. Wall time counts
+      everything speculation costs: proposing, the wider forward pass, verifying. So
+      where drafts are poor or the batch is large enough that extra tokens are not free,
+      speculation stays off except for ever rarer short probes.
+    * **How far each request drafts, when on.** Each request's per-token acceptance
+      ``alpha`` is estimated (a draft of ``m`` tokens with ``a`` accepted is ``a``
+      successes in ``a + (a < m)`` trials; a request starts from the engine-wide estimate,
+      worth ``prior_weight`` trials); position ``j`` is drafted only while ``alpha ** j >=
+      min_acceptance``, the chance it is accepted. A request whose first token is
+      unlikely to be accepted does not draft.
 
-    A draft's ``j``-th token yields an extra token with probability ``alpha ** j`` and
-    costs ``c1``; the step without drafts yields ``B`` tokens (its decodes) in ``c0 + c1 *
-    tokens``. Drafting it raises tokens per second only when ``alpha ** j > c1 * B /
-    time``, so each request drafts the largest ``j`` that passes (at most
-    ``num_speculative_tokens``). At batch 1 on a small model (fixed cost dominant) almost
-    any acceptance pays; at a large batch whose cost grows with tokens, only drafts that
-    are nearly certain do. A request turned off is re-tried with one draft token now and
-    then (``probe_rate / B`` per step), so its estimate can recover.
+    Attributes:
+        num_speculative_tokens: the most a request drafts per step.
+        min_acceptance: the least acceptance probability worth drafting a position for.
+        explore_every / explore_steps: probing the mode not in use.
+        decay: weight of the newest step in the throughput averages.
     """
 
     num_speculative_tokens: int = attrs.field(validator=_at_least_one)
+    min_acceptance: float = 0.3
     prior_weight: float = 4.0
-    window: int = 64
-    probe_rate: float = 0.25
-    # Before any step is measured: c1 / c0, the cost of one token against the fixed cost.
-    initial_token_cost: float = 0.05
-    seed: int = 0
+    explore_every: int = 64
+    explore_steps: int = 6
+    decay: float = 0.2
     _requests: dict[str, list[float]] = attrs.field(init=False, factory=dict)
-    _accepted: float = attrs.field(init=False, default=1.0)  # engine-wide, with a prior
-    _trials: float = attrs.field(init=False, default=2.0)
-    _steps: list[tuple[float, float]] = attrs.field(init=False, factory=list)
-    _rng: random.Random = attrs.field(init=False)
-    _fit: tuple[float, float] | None = attrs.field(init=False, default=None)
-    _num_steps: int = attrs.field(init=False, default=0)
-
-    def __attrs_post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+    _accepted: float = attrs.field(init=False, default=2.0)  # engine-wide, with a prior
+    _trials: float = attrs.field(init=False, default=3.0)
+    _buckets: dict[int, _Bucket] = attrs.field(init=False, factory=dict)
+    _pending: tuple[int, bool] | None = attrs.field(init=False, default=None)
 
     @property
     def alpha(self) -> float:
@@ -138,56 +140,44 @@ class AdaptiveLength:
         w = self.prior_weight
         return (stats[0] + w * prior) / (stats[1] + w)
 
-    def cost(self) -> tuple[float, float]:
-        """``(c0, c1)``: fixed seconds per step and seconds per computed token."""
-        if self._fit is None:
-            self._fit = self._refit()
-        return self._fit
-
-    def _refit(self) -> tuple[float, float]:
-        if len(self._steps) >= 8:
-            x, y = np.asarray(self._steps, dtype=np.float64).T
-            if np.ptp(x) > 0:
-                c1, c0 = np.polyfit(x, y, 1)
-                if c1 > 0 and c0 > 0:
-                    return float(c0), float(c1)
-            # All steps the same size, or a fit without meaning: the mean as fixed cost.
-            mean = float(np.mean(y / np.maximum(x, 1)))
-            return mean * np.mean(x) * 0.5, mean * 0.5
-        return 1.0, self.initial_token_cost
+    def speculating(self, batch_size: int) -> bool | None:
+        """The mode chosen for steps of ``batch_size`` decodes (None: not measured yet)."""
+        bucket = self._buckets.get(_bucket_of(batch_size))
+        return None if bucket is None else bucket.preferred()
 
     def lengths(self, candidates: Sequence[Any], num_running: int) -> list[int]:
-        c0, c1 = self.cost()
-        batch = max(len(candidates), 1)
-        threshold = c1 * batch / (c0 + c1 * batch)
+        key = _bucket_of(len(candidates))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        on = bucket.choose(self.explore_every, self.explore_steps)
+        self._pending = (key, on)
+        if not on:
+            return [0] * len(candidates)
         # Runs every step for every decode: requests not yet measured share one answer.
         prior = self.alpha
-        k_prior = self._k(prior, threshold)
+        k_prior = self._k(prior)
         stats, w = self._requests, self.prior_weight
-        probe = self.probe_rate / batch
-        random = self._rng.random
         out = []
         for view in candidates:
             own = stats.get(view.request_id)
-            k = k_prior if own is None else self._k((own[0] + w * prior) / (own[1] + w), threshold)
-            if k == 0 and random() < probe:
-                k = 1
-            out.append(k)
+            out.append(k_prior if own is None else self._k((own[0] + w * prior) / (own[1] + w)))
         return out
 
-    def _k(self, alpha: float, threshold: float) -> int:
-        """The largest ``j <= num_speculative_tokens`` with ``alpha ** j > threshold``."""
-        if alpha <= threshold or alpha <= 0.0:
+    def _k(self, alpha: float) -> int:
+        """The largest ``j <= num_speculative_tokens`` with ``alpha ** j >= min_acceptance``."""
+        floor = self.min_acceptance
+        if alpha < floor or alpha <= 0.0:
             return 0
-        if alpha >= 1.0 or threshold <= 0.0:
+        if alpha >= 1.0 or floor <= 0.0:
             return self.num_speculative_tokens
-        return min(self.num_speculative_tokens, int(math.log(threshold) / math.log(alpha)))
+        return min(self.num_speculative_tokens, int(math.log(floor) / math.log(alpha) + 1e-9))
 
     def observe(self, event: Any) -> None:
-        """Learn from a step: acceptance per request, and the step's cost."""
-        drafted_total = 0
+        """Learn from a step: acceptance per request; the step's throughput in its mode."""
         for request_id, drafted, accepted in event.speculated:
-            drafted_total += drafted
+            if not drafted:
+                continue
             trials = accepted + (1 if accepted < drafted else 0)
             stats = self._requests.setdefault(request_id, [0.0, 0.0])
             stats[0] += accepted
@@ -198,11 +188,72 @@ class AdaptiveLength:
             self._requests.pop(request_id, None)
         for request_id in event.aborted:
             self._requests.pop(request_id, None)
-        tokens = event.num_batched_tokens + drafted_total
-        if tokens and event.model_time_s > 0:
-            self._steps.append((float(tokens), float(event.model_time_s)))
-            if len(self._steps) > self.window:
-                del self._steps[: len(self._steps) - self.window]
-            self._num_steps += 1
-            if self._num_steps % 8 == 0:
-                self._fit = None  # refit every few steps: the cost drifts slowly
+        pending, self._pending = self._pending, None
+        if pending is None or not event.scheduled or event.num_prefill_tokens:
+            return  # only decode steps compare the two modes fairly
+        key, on = pending
+        tokens = sum(n for _, n in event.sampled)
+        if tokens and event.wall_time_s > 0:
+            self._buckets[key].record(on, tokens / event.wall_time_s, self.decay)
+
+
+def _bucket_of(batch_size: int) -> int:
+    """1, 2, 3-4 -> 4, 5-8 -> 8, ...: steps of about the same cost share a bucket."""
+    return 1 << max(0, (batch_size - 1).bit_length())
+
+
+@attrs.define
+class _Bucket:
+    """Throughput with speculation on and off for one batch-size bucket."""
+
+    rate: list[float | None] = attrs.field(factory=lambda: [None, None])  # [off, on]
+    seen: list[int] = attrs.field(factory=lambda: [0, 0])
+    last: bool | None = None  # the mode of the bucket's previous step
+    switched: bool = False  # this step's mode differs from the previous one's
+    until_probe: int = 0
+    backoff: int = 1
+    _probe_left: int = 0
+    _probe_from: bool | None = None
+
+    def preferred(self) -> bool | None:
+        off, on = self.rate
+        if off is None or on is None:
+            return None
+        return on > off
+
+    def choose(self, explore_every: int, explore_steps: int) -> bool:
+        mode = self._mode(explore_every, explore_steps)
+        self.switched = self.last is not None and mode != self.last
+        self.last = mode
+        return mode
+
+    def _mode(self, explore_every: int, explore_steps: int) -> bool:
+        # First measure both: some steps on, then some off.
+        if self.seen[1] < explore_steps:
+            return True
+        if self.seen[0] < explore_steps:
+            return False
+        best = bool(self.preferred())
+        if self._probe_left:
+            self._probe_left -= 1
+            if not self._probe_left:  # the probe is over: was the choice confirmed?
+                confirmed = bool(self.preferred()) == self._probe_from
+                self.backoff = min(self.backoff * 2, 16) if confirmed else 1
+                self.until_probe = explore_every * self.backoff
+            return not self._probe_from
+        self.until_probe -= 1
+        if self.until_probe <= 0:
+            self._probe_from = best
+            self._probe_left = explore_steps  # this step and explore_steps more
+            return not best
+        return best
+
+    def record(self, on: bool, rate: float, decay: float) -> None:
+        if self.switched:
+            return  # a switch's one-off cost is not the mode's
+        i = int(on)
+        old = self.rate[i]
+        # The first few samples of a mode average evenly; then the newest weighs ``decay``.
+        weight = max(decay, 1.0 / (self.seen[i] + 1))
+        self.rate[i] = rate if old is None else old + weight * (rate - old)
+        self.seen[i] += 1

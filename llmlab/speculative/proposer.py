@@ -112,8 +112,11 @@ class ProposerContext:
             model inputs for :class:`~llmlab.scheduler.batch.ScheduledRequest` spans over
             the runner's per-row block tables (a draft model's forward pass addresses its
             own paged cache through them).
-        for_device: ``for_device(model) -> model``: what the engine does to its own model
-            after loading it (on CPU: prepacked linears, fused kernels), for a draft model.
+        seed: the engine's seed (a proposer that samples seeds its own generator from it,
+            so a run is reproducible).
+        for_device: ``for_device(model, pack=True) -> model``: what the engine does to its
+            own model after loading it (on CPU: fused kernels, and linears prepacked for
+            oneDNN unless ``pack=False``), for a draft model.
     """
 
     vocab_size: int
@@ -127,6 +130,7 @@ class ProposerContext:
     tokenizer: Any = None
     prepare: Any = None
     for_device: Any = None
+    seed: int = 0
 
 
 @runtime_checkable

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from llmlab.sampling.logprobs import gather_logprobs
-from llmlab.sampling.metadata import SamplingMetadata, SamplingRow
+from llmlab.sampling.metadata import SamplingMetadata, SamplingRow, stream_seed
 
 
 def virtual_rows(row: SamplingRow, draft: Sequence[int]) -> list[SamplingRow]:
@@ -82,7 +82,7 @@ def verify(
         probs = torch.softmax(work[random_rows], dim=-1)
 
     # Acceptance of every draft position, decided for all drafts at once.
-    seeded_gens: dict[int, torch.Generator] = {}
+    streams = _Streams(device)
     accepted: list[int] = []
     for i, draft in enumerate(drafts):
         base, m = int(starts[i]), lengths[i]
@@ -111,7 +111,7 @@ def verify(
                     q_at[offset : offset + m] = q[torch.arange(m, device=device),
                                                   flat_d[offset : offset + m]]
                 offset += m
-        u = _uniforms(rows, flat_v, generator, seeded_gens, device)
+        u = _uniforms(rows, flat_v, generator, streams, device)
         keep = (u * q_at < p_at).tolist()
         offset = 0
         for i in sampled:
@@ -140,22 +140,25 @@ def verify(
                 dist = (dist - q[a].to(device=device, dtype=torch.float32)).clamp_(min=0.0)
             if not float(dist.sum()) > 0.0:  # p == q: the residual is empty; p itself
                 dist = probs[prow[v]]
-        gen = seeded_gens.get(v)
-        if gen is None:
-            gen = rows[v].seeded_generator(device)
-        race_rows.append((i, dist, gen))
+        race_rows.append((i, dist, v, a < m and forced is None))
     if race_rows:
-        dists = torch.stack([d for _, d, _ in race_rows])
+        dists = torch.stack([d for _, d, _, _ in race_rows])
         noise = torch.empty_like(dists)
-        shared = [j for j, (_, _, g) in enumerate(race_rows) if g is None]
+        seeded = [rows[v].sampling_params.seed is not None for _, _, v, _ in race_rows]
+        shared = [j for j, s in enumerate(seeded) if not s]
         if shared:
             part = torch.empty(len(shared), vocab, device=device).exponential_(generator=generator)
             noise[shared] = part
-        for j, (_, _, g) in enumerate(race_rows):
-            if g is not None:
-                noise[j].exponential_(generator=g)
+        for j, (_, _, v, after_uniform) in enumerate(race_rows):
+            if seeded[j]:
+                # The row's stream at this depth; after a rejection there, past the uniform
+                # already drawn from it.
+                gen = streams.at(rows[v])
+                if after_uniform:
+                    torch.rand((), generator=gen, device=device)
+                noise[j].exponential_(generator=gen)
         picked = (dists / noise).argmax(dim=-1).tolist()
-        for (i, _, _), token in zip(race_rows, picked, strict=True):
+        for (i, _, _, _), token in zip(race_rows, picked, strict=True):
             finals[i] = token
 
     # Emitted tokens and their raw logprobs.
@@ -185,19 +188,30 @@ def verify(
     return out
 
 
-def _uniforms(rows, flat_v, generator, seeded_gens, device) -> torch.Tensor:
-    """One uniform per draft position: from the row's own stream at that depth when it is
-    seeded (the generator is kept: a rejection there draws its token next from it), else
-    from the shared generator."""
+class _Streams:
+    """Seeded rows' counter-based streams through one scratch generator: draw ``j`` of a
+    row is seeded by ``stream_seed(seed, number of its tokens before it)``, as in plain
+    sampling (:meth:`~llmlab.sampling.metadata.SamplingRow.seeded_generator`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._gen = torch.Generator(device=device)
+
+    def at(self, row: SamplingRow) -> torch.Generator:
+        self._gen.manual_seed(stream_seed(row.sampling_params.seed, len(row.output_token_ids)))
+        return self._gen
+
+
+def _uniforms(rows, flat_v, generator, streams: _Streams, device) -> torch.Tensor:
+    """One uniform per draft position: the first draw of the row's own stream at that depth
+    when it is seeded, else from the shared generator."""
     u = torch.empty(len(flat_v), device=device)
     shared = []
     for j, v in enumerate(flat_v.tolist()):
-        gen = rows[v].seeded_generator(device)
-        if gen is None:
+        row = rows[v]
+        if row.sampling_params.seed is None:
             shared.append(j)
         else:
-            seeded_gens[v] = gen
-            u[j] = torch.rand((), generator=gen, device=device)
+            u[j] = torch.rand((), generator=streams.at(row), device=device)
     if shared:
         u[shared] = torch.rand(len(shared), generator=generator, device=device)
     return u

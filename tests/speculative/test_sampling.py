@@ -89,3 +89,10 @@ def test_seeded_requests_are_reproducible(spec_models):
         [PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == again
     assert len(batched) == 20
+    # Unseeded requests follow the engine's seed: the same run twice gives the same tokens.
+    runs = [
+        LLM(target, speculative_config=config, max_model_len=64, seed=3).generate(
+            [PROMPT, "hello world"], other, use_tqdm=False)
+        for _ in range(2)
+    ]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
