@@ -16,6 +16,7 @@ default: drafts only as far as the measured acceptance pays for the verification
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -90,11 +91,13 @@ class AdaptiveLength:
 
     * **Whether to speculate at all, per batch size.** Steps are sorted into buckets by
       their number of decodes (1, 2, 3-4, 5-8, ...: powers of two). In each bucket the
-      policy keeps the throughput of decode steps (tokens emitted / step wall time,
-      exponentially averaged) with speculation on and with it off, and uses the faster
+      policy keeps the throughput of its last decode steps (tokens emitted / step wall
+      time; the median of the last ``window``, so a step slowed by something else, a
+      garbage collection or a neighbour on the machine, does not swing the choice) with
+      speculation on and with it off, and uses the faster
       mode; every ``explore_every`` steps of a bucket it runs ``explore_steps`` steps of
       the other one, so a change (longer contexts, better drafts) is noticed; each probe
-      that confirms the choice doubles the wait before the next (up to 16 times). The
+      that confirms the choice doubles the wait before the next (up to 32 times). The
       first step after a switch is not measured: it carries the switch's one-off cost (a
       draft model catching up on the tokens it missed), not the mode's. Wall time counts
       everything speculation costs: proposing, the wider forward pass, verifying. So
@@ -111,15 +114,15 @@ class AdaptiveLength:
         num_speculative_tokens: the most a request drafts per step.
         min_acceptance: the least acceptance probability worth drafting a position for.
         explore_every / explore_steps: probing the mode not in use.
-        decay: weight of the newest step in the throughput averages.
+        window: steps per mode whose median throughput is compared.
     """
 
     num_speculative_tokens: int = attrs.field(validator=_at_least_one)
     min_acceptance: float = 0.3
     prior_weight: float = 4.0
     explore_every: int = 64
-    explore_steps: int = 6
-    decay: float = 0.2
+    explore_steps: int = 4
+    window: int = 16
     _requests: dict[str, list[float]] = attrs.field(init=False, factory=dict)
     _accepted: float = attrs.field(init=False, default=2.0)  # engine-wide, with a prior
     _trials: float = attrs.field(init=False, default=3.0)
@@ -149,7 +152,7 @@ class AdaptiveLength:
         key = _bucket_of(len(candidates))
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket()
+            bucket = self._buckets[key] = _Bucket(inherited=self._nearest_choice(key))
         on = bucket.choose(self.explore_every, self.explore_steps)
         self._pending = (key, on)
         if not on:
@@ -163,6 +166,16 @@ class AdaptiveLength:
             own = stats.get(view.request_id)
             out.append(k_prior if own is None else self._k((own[0] + w * prior) / (own[1] + w)))
         return out
+
+    def _nearest_choice(self, key: int) -> bool | None:
+        """The mode of an adjacent bucket (half or twice the batch size) that has one, or
+        None: a batch size next to a measured one starts from its choice (the tail of a
+        run passes through each size for a few steps only) instead of measuring both."""
+        for near in (key * 2, key // 2):
+            bucket = self._buckets.get(near)
+            if bucket is not None and bucket.choice() is not None:
+                return bucket.choice()
+        return None
 
     def _k(self, alpha: float) -> int:
         """The largest ``j <= num_speculative_tokens`` with ``alpha ** j >= min_acceptance``."""
@@ -194,7 +207,7 @@ class AdaptiveLength:
         key, on = pending
         tokens = sum(n for _, n in event.sampled)
         if tokens and event.wall_time_s > 0:
-            self._buckets[key].record(on, tokens / event.wall_time_s, self.decay)
+            self._buckets[key].record(on, tokens / event.wall_time_s, self.window)
 
 
 def _bucket_of(batch_size: int) -> int:
@@ -206,7 +219,8 @@ def _bucket_of(batch_size: int) -> int:
 class _Bucket:
     """Throughput with speculation on and off for one batch-size bucket."""
 
-    rate: list[float | None] = attrs.field(factory=lambda: [None, None])  # [off, on]
+    inherited: bool | None = None  # a neighbour bucket's choice, until this one has its own
+    rates: tuple[list[float], list[float]] = attrs.field(factory=lambda: ([], []))  # off, on
     seen: list[int] = attrs.field(factory=lambda: [0, 0])
     last: bool | None = None  # the mode of the bucket's previous step
     switched: bool = False  # this step's mode differs from the previous one's
@@ -215,11 +229,21 @@ class _Bucket:
     _probe_left: int = 0
     _probe_from: bool | None = None
 
+    @property
+    def rate(self) -> list[float | None]:
+        """Median recent throughput ``[off, on]`` (None: not measured)."""
+        return [statistics.median(r) if r else None for r in self.rates]
+
     def preferred(self) -> bool | None:
         off, on = self.rate
         if off is None or on is None:
             return None
         return on > off
+
+    def choice(self) -> bool | None:
+        """Its own preference once measured, else the one it inherited."""
+        own = self.preferred()
+        return self.inherited if own is None else own
 
     def choose(self, explore_every: int, explore_steps: int) -> bool:
         mode = self._mode(explore_every, explore_steps)
@@ -228,17 +252,23 @@ class _Bucket:
         return mode
 
     def _mode(self, explore_every: int, explore_steps: int) -> bool:
-        # First measure both: some steps on, then some off.
-        if self.seen[1] < explore_steps:
-            return True
-        if self.seen[0] < explore_steps:
-            return False
-        best = bool(self.preferred())
+        need = explore_steps - 1  # a burst's first step is not measured
+        measured = self.seen[0] >= need and self.seen[1] >= need
+        if measured:
+            best = bool(self.preferred())
+        elif self.inherited is None:
+            # The first bucket: measure both now, some steps on, then some off.
+            return self.seen[1] < need
+        else:
+            # Start from the neighbour's choice; the probes below measure the other mode.
+            best = self.inherited
+            if self.until_probe <= 0 and not self._probe_left and self._probe_from is None:
+                self.until_probe = explore_every
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:  # the probe is over: was the choice confirmed?
                 confirmed = bool(self.preferred()) == self._probe_from
-                self.backoff = min(self.backoff * 2, 16) if confirmed else 1
+                self.backoff = min(self.backoff * 2, 32) if confirmed else 1
                 self.until_probe = explore_every * self.backoff
             return not self._probe_from
         self.until_probe -= 1
@@ -248,12 +278,11 @@ class _Bucket:
             return not best
         return best
 
-    def record(self, on: bool, rate: float, decay: float) -> None:
+    def record(self, on: bool, rate: float, window: int) -> None:
         if self.switched:
             return  # a switch's one-off cost is not the mode's
-        i = int(on)
-        old = self.rate[i]
-        # The first few samples of a mode average evenly; then the newest weighs ``decay``.
-        weight = max(decay, 1.0 / (self.seen[i] + 1))
-        self.rate[i] = rate if old is None else old + weight * (rate - old)
-        self.seen[i] += 1
+        rates = self.rates[int(on)]
+        rates.append(rate)
+        if len(rates) > window:
+            del rates[0]
+        self.seen[int(on)] += 1

@@ -80,7 +80,7 @@ class SpecStep:
     totals: SpecTotals
 
 
-@attrs.define
+@attrs.define(eq=False)  # an observer: identity, so unsubscribe removes this one
 class SpecDecodeStats:
     """Acceptance counters of speculative decoding; a step observer
     (``engine.subscribe(stats)``).

@@ -20,7 +20,13 @@ models they draw, usable without any widget.
 
 from llmlab.engine.recording import Recorder, Recording, load
 from llmlab.viz.state import Frame, KVCacheState, MetricSeries, SchedulerSeries
-from llmlab.viz.views import KVCacheView, MetricsPanel, PolicyComparison, SchedulerTimeline
+from llmlab.viz.views import (
+    KVCacheView,
+    MetricsPanel,
+    PolicyComparison,
+    SchedulerTimeline,
+    SpeculationView,
+)
 
 __all__ = [
     "Frame",
@@ -33,5 +39,6 @@ __all__ = [
     "Recording",
     "SchedulerSeries",
     "SchedulerTimeline",
+    "SpeculationView",
     "load",
 ]
