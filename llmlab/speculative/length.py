@@ -275,6 +275,7 @@ class _Bucket:
         if self.until_probe <= 0:
             self._probe_from = best
             self._probe_left = explore_steps  # this step and explore_steps more
+            self.rates[int(not best)].clear()  # measured long ago: judge by the probe alone
             return not best
         return best
 
