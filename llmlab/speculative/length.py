@@ -16,7 +16,6 @@ default: drafts only as far as the measured acceptance pays for the verification
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,13 +90,15 @@ class AdaptiveLength:
 
     * **Whether to speculate at all, per batch size.** Steps are sorted into buckets by
       their number of decodes (1, 2, 3-4, 5-8, ...: powers of two). In each bucket the
-      policy keeps the throughput of its last decode steps (tokens emitted / step wall
-      time; the median of the last ``window``, so a step slowed by something else, a
-      garbage collection or a neighbour on the machine, does not swing the choice) with
-      speculation on and with it off, and uses the faster
+      policy keeps the throughput of its last ``window`` decode steps with speculation on
+      and with it off (tokens emitted over the steps' wall time: a mean, so a mode whose
+      cost comes in occasional slow steps, a proposer indexing a new prompt, pays for
+      them), and uses the faster
       mode; every ``explore_every`` steps of a bucket it runs ``explore_steps`` steps of
       the other one, so a change (longer contexts, better drafts) is noticed; each probe
-      that confirms the choice doubles the wait before the next (up to 32 times). The
+      that confirms the choice doubles the wait before the next (up to 32 times), and
+      a costly one (a proposer catching up on tokens it missed) waits until its cost is
+      at most 1% of the time since. The
       first step after a switch is not measured: it carries the switch's one-off cost (a
       draft model catching up on the tokens it missed), not the mode's. Wall time counts
       everything speculation costs: proposing, the wider forward pass, verifying. So
@@ -114,7 +115,7 @@ class AdaptiveLength:
         num_speculative_tokens: the most a request drafts per step.
         min_acceptance: the least acceptance probability worth drafting a position for.
         explore_every / explore_steps: probing the mode not in use.
-        window: steps per mode whose median throughput is compared.
+        window: steps per mode whose throughput is compared.
     """
 
     num_speculative_tokens: int = attrs.field(validator=_at_least_one)
@@ -207,7 +208,11 @@ class AdaptiveLength:
         key, on = pending
         tokens = sum(n for _, n in event.sampled)
         if tokens and event.wall_time_s > 0:
-            self._buckets[key].record(on, tokens / event.wall_time_s, self.window)
+            self._buckets[key].record(on, tokens, event.wall_time_s, self.window)
+
+
+# The most of the time that probes confirming the choice in use may take.
+PROBE_BUDGET = 0.01
 
 
 def _bucket_of(batch_size: int) -> int:
@@ -220,7 +225,8 @@ class _Bucket:
     """Throughput with speculation on and off for one batch-size bucket."""
 
     inherited: bool | None = None  # a neighbour bucket's choice, until this one has its own
-    rates: tuple[list[float], list[float]] = attrs.field(factory=lambda: ([], []))  # off, on
+    # Per mode (off, on): ``(tokens, seconds)`` of its last measured steps.
+    rates: tuple[list, list] = attrs.field(factory=lambda: ([], []))
     seen: list[int] = attrs.field(factory=lambda: [0, 0])
     last: bool | None = None  # the mode of the bucket's previous step
     switched: bool = False  # this step's mode differs from the previous one's
@@ -228,11 +234,18 @@ class _Bucket:
     backoff: int = 1
     _probe_left: int = 0
     _probe_from: bool | None = None
+    # What the current probe's steps took (switch included), settled once it confirms.
+    _probing: bool = False
+    _probe_seconds: float = 0.0
+    _probe_steps: int = 0
+    _settle: bool = False
 
     @property
     def rate(self) -> list[float | None]:
-        """Median recent throughput ``[off, on]`` (None: not measured)."""
-        return [statistics.median(r) if r else None for r in self.rates]
+        """Recent throughput ``[off, on]`` in tokens/s (None: not measured)."""
+        return [
+            sum(t for t, _ in r) / sum(s for _, s in r) if r else None for r in self.rates
+        ]
 
     def preferred(self) -> bool | None:
         off, on = self.rate
@@ -264,26 +277,44 @@ class _Bucket:
             best = self.inherited
             if self.until_probe <= 0 and not self._probe_left and self._probe_from is None:
                 self.until_probe = explore_every
+        self._probing = False
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:  # the probe is over: was the choice confirmed?
                 confirmed = bool(self.preferred()) == self._probe_from
                 self.backoff = min(self.backoff * 2, 32) if confirmed else 1
                 self.until_probe = explore_every * self.backoff
+                self._settle = confirmed
+            self._probing = True
             return not self._probe_from
         self.until_probe -= 1
         if self.until_probe <= 0:
             self._probe_from = best
             self._probe_left = explore_steps  # this step and explore_steps more
             self.rates[int(not best)].clear()  # measured long ago: judge by the probe alone
+            self._probing = True
+            self._probe_seconds, self._probe_steps = 0.0, 0
             return not best
         return best
 
-    def record(self, on: bool, rate: float, window: int) -> None:
+    def record(self, on: bool, tokens: int, seconds: float, window: int) -> None:
+        if self._probing:
+            self._probe_seconds += seconds
+            self._probe_steps += 1
+        elif self._settle and not self.switched:
+            # A confirming probe cost more than as many steps of the mode in use (a
+            # proposer catching up on everything it missed, say): wait long enough that
+            # such probes cost at most PROBE_BUDGET of the time.
+            self._settle = False
+            steps = self.rates[int(on)]
+            mean = sum(s for _, s in steps) / len(steps) if steps else seconds
+            extra = self._probe_seconds - self._probe_steps * mean
+            if extra > 0:
+                self.until_probe = max(self.until_probe, int(extra / (PROBE_BUDGET * mean)))
         if self.switched:
             return  # a switch's one-off cost is not the mode's
         rates = self.rates[int(on)]
-        rates.append(rate)
+        rates.append((tokens, seconds))
         if len(rates) > window:
             del rates[0]
         self.seen[int(on)] += 1

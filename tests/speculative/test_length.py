@@ -74,10 +74,11 @@ def test_adaptive_notices_a_change():
     policy = AdaptiveLength(4)
     _simulate(policy, batch=8, steps=300, on_cost=30e-3, off_cost=10e-3, accepted_per_draft=1)
     assert policy.speculating(8) is False
-    # Drafts become good (e.g. the workload turned to copying): a probe finds it.
-    on = _simulate(policy, batch=8, steps=600, on_cost=12e-3, off_cost=10e-3,
+    # Drafts become good (e.g. the workload turned to copying): a probe finds it. (Probes
+    # of a mode that cost 3x wait until they are at most 1% of the time: ~800 steps here.)
+    on = _simulate(policy, batch=8, steps=3000, on_cost=12e-3, off_cost=10e-3,
                    accepted_per_draft=4)
-    assert policy.speculating(8) is True and on > 300
+    assert policy.speculating(8) is True and on > 1500
 
 
 def test_adaptive_drafts_per_request_by_its_acceptance():
@@ -88,7 +89,7 @@ def test_adaptive_drafts_per_request_by_its_acceptance():
     assert policy.acceptance("0") < 0.3 < 0.9 < policy.acceptance("1")
     # Measure "on" as the faster mode, then ask.
     for b in policy._buckets.values():
-        b.rates[1].extend([10.0] * 4)
+        b.rates[1].extend([(100, 1.0)] * 4)
     ks = policy.lengths([bad, good], 2)
     assert ks[0] == 0 and ks[1] == 4
 
@@ -98,3 +99,12 @@ def test_a_new_batch_size_starts_from_its_neighbour():
     _simulate(policy, batch=64, steps=300, on_cost=30e-3, off_cost=10e-3, accepted_per_draft=1)
     # Batch 32 (the tail of a run) starts off, as 64 chose, instead of measuring "on" first.
     assert policy.lengths(_views(32), 32) == [0] * 32
+
+
+def test_costly_probes_are_spaced_to_a_small_share_of_the_time():
+    policy = AdaptiveLength(4)
+    _simulate(policy, batch=64, steps=300, on_cost=30e-3, off_cost=10e-3, accepted_per_draft=1)
+    on = _simulate(policy, batch=64, steps=6000, on_cost=30e-3, off_cost=10e-3,
+                   accepted_per_draft=1)
+    extra = on * (30e-3 - 10e-3)
+    assert extra / (6000 * 10e-3) < 0.015
