@@ -253,7 +253,9 @@ class BatchOutput:
             the batch goes on.
         num_drafted: per entry, how many draft tokens were proposed and verified (at most
             its ``num_lookahead``); its tokens are then the accepted draft tokens and one
-            more, so ``len(token_ids[i]) - 1`` were accepted. None when nothing was drafted.
+            more, so ``len(token_ids[i]) - 1`` were accepted, and their KV is computed.
+            None when nothing was drafted. (An entry that drafted nothing may still return
+            several tokens; their KV is computed in later steps.)
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -294,7 +296,9 @@ class BatchOutput:
             if self.failed is not None and self.failed[i] is not None:
                 continue  # a failed entry carries no tokens
             drafted = 0 if self.num_drafted is None else self.num_drafted[i]
-            if not 0 <= drafted <= entry.num_lookahead or len(self.token_ids[i]) > 1 + drafted:
+            if not 0 <= drafted <= entry.num_lookahead or (
+                drafted and len(self.token_ids[i]) > 1 + drafted
+            ):
                 raise ValueError(
                     f"entry {entry.request_id!r} may verify {entry.num_lookahead} draft "
                     f"tokens, but the executor reports {drafted} drafted and returned "

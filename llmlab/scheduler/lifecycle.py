@@ -45,6 +45,7 @@ class Lifecycle:
         cache_computed_blocks = self.kv.cache_computed_blocks
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
         failures = output.failed
+        drafted = output.num_drafted
         running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)
@@ -58,7 +59,7 @@ class Lifecycle:
                 continue
             start = entry.start
             end = start + len(entry.token_ids)
-            speculated = entry.num_lookahead and token_ids
+            speculated = drafted is not None and drafted[i] and token_ids
             if speculated:
                 # The accepted draft tokens' KV is valid too (verification computed it);
                 # the rejected ones' is not, and their whole blocks go back below.
