@@ -108,3 +108,32 @@ def test_config_forms():
     p = SpeculativeConfig.of({"method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.5]})
     assert p.num_speculative_tokens == 2
     assert SpeculativeConfig.of(None) is None
+
+
+def test_abort_mid_speculation_leaves_the_others_exact(tiny_llama, spec_models):
+    _, draft = spec_models("LlamaForCausalLM")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["the cat sat on the mat", "hello world hello", "one two three one two"]
+    expected = [o.outputs[0].token_ids
+                for o in LLM(tiny_llama, max_model_len=64).generate(prompts, params,
+                                                                   use_tqdm=False)]
+    llm = LLM(tiny_llama, max_model_len=64, speculative_config={
+        "model": draft, "num_speculative_tokens": 3, "speculation_length": "fixed"})
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    engine.abort_request("1")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["0"].outputs[0].token_ids == expected[0]
+    assert outputs["2"].outputs[0].token_ids == expected[2]
+    engine.kv_cache.check()
+    assert engine.kv_cache.usage == 0.0
+    # A new request on the freed row starts its draft state afresh: still exact.
+    again = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == expected[1]
