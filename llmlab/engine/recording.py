@@ -122,6 +122,8 @@ def _decode_field(name: str, value: Any) -> Any:
         return tuple(None if v is None else str(v) for v in _list(value))
     if name == "block_tables":
         return tuple((str(rid), tuple(int(b) for b in table)) for rid, table in _list(value))
+    if name == "speculated":
+        return tuple((str(rid), int(d), int(a)) for rid, d, a in _list(value))
     if name == "admitted":
         return tuple(Admission(**item) for item in _list(value))
     if name == "arrived":
@@ -190,6 +192,9 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
+    to_dict = getattr(value, "to_dict", None)  # e.g. SpeculativeConfig, as vLLM spells it
+    if callable(to_dict):
+        return _jsonable(to_dict())
     return str(value)
 
 

@@ -44,6 +44,28 @@ def test_events_round_trip_exactly(recorded):
         assert event_from_json(json.loads(json.dumps(event_to_json(event)))) == event
 
 
+def test_a_speculating_run_round_trips(tiny_llama, tmp_path):
+    class RepeatLast:
+        def propose(self, requests, k):
+            return [[int(r.token_ids[-1])] * k for r in requests]
+
+    llm = LLM(tiny_llama, max_model_len=64, speculative_config={
+        "proposer": RepeatLast(), "num_speculative_tokens": 3, "speculation_length": "fixed"})
+    events = []
+    llm.llm_engine.subscribe(events.append)
+    path = tmp_path / "spec.jsonl"
+    with llm.llm_engine.record(path):
+        llm.generate(["a b a b a b a b"], SamplingParams(max_tokens=24, ignore_eos=True),
+                     use_tqdm=False)
+    assert any(e.speculated for e in events)
+    recording = load(path)
+    assert recording.events == tuple(events)
+    assert recording.config["speculative_config"] == {
+        "method": "custom", "num_speculative_tokens": 3, "proposer": "RepeatLast",
+        "speculation_length": "fixed",
+    }
+
+
 def test_a_few_thousand_steps_stay_a_few_megabytes(recorded):
     path, events = recorded
     per_step = path.stat().st_size / len(events)
