@@ -243,7 +243,8 @@ class ModelRunner:
                     sample_rows.append(self._fork_row(leader, fork))
                     row_ids.append(fork.row)
         any_prompt = any(p is not None for p in prompt_scores)
-        prompt_fields = {
+        # BatchOutput's optional per-entry fields this step fills.
+        fields = {
             "prompt_logprobs": tuple(prompt_scores) if any_prompt else None,
             "prompt_logprobs_start": tuple(prompt_starts) if any_prompt else None,
         }
@@ -253,22 +254,22 @@ class ModelRunner:
                 batch, drafts, rows, hidden, ends, self.model.compute_logits, self.sampler,
                 self.generator,
             )
-            prompt_fields["num_drafted"] = tuple(
+            fields["num_drafted"] = tuple(
                 len(e.token_ids) - 1 if i in verified else 0
                 for i, e in enumerate(batch.entries)
             )
         if not scored_rows and not verified:
             empty = BatchOutput.empty(len(batch.entries))
-            return attrs.evolve(empty, **prompt_fields) if any_prompt else empty
+            return attrs.evolve(empty, **fields) if any_prompt else empty
         sampled, failed = None, None
         if scored_rows:
             sampled, failed = self._draw(
                 self.model.compute_logits(hidden[scored_rows]), sample_rows, row_ids
             )
-        return self._output(batch, sampled, failed, prompt_fields, verified)
+        return self._output(batch, sampled, failed, fields, verified)
 
     def _output(
-        self, batch: ScheduledBatch, sampled, failed, prompt_fields, verified=None
+        self, batch: ScheduledBatch, sampled, failed, fields, verified=None
     ) -> BatchOutput:
         """Per entry, its token (and its forks' samples) from the sampled rows, in order;
         an entry whose row, or one of whose forks' rows, failed gets no tokens and its
@@ -320,7 +321,7 @@ class ModelRunner:
             top_logprobs=tuple(top_logprobs) if any_top else None,
             forks=tuple(forks) if any(forks) else None,
             failed=tuple(reasons) if failed is not None else None,
-            **prompt_fields,
+            **fields,
         )
 
     def _draw(self, logits: torch.Tensor, sample_rows: list[SamplingRow], row_ids: list[int]):

@@ -24,6 +24,7 @@ import threading
 import attrs
 
 from llmlab.engine.events import StepEvent
+from llmlab.speculative.stats import count_positions
 
 # Bucket bounds (seconds) as vLLM chose them, so dashboards built for vLLM read these too.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -182,16 +183,9 @@ class EngineMetrics:
         accepted: list[int] = []
         num_drafts = 0
         for _, num_drafted, num_accepted in speculated:
-            if num_drafted <= 0:
-                continue
-            num_drafts += 1
-            if num_drafted > len(drafted):
-                drafted.extend([0] * (num_drafted - len(drafted)))
-                accepted.extend([0] * (num_drafted - len(accepted)))
-            for pos in range(num_drafted):
-                drafted[pos] += 1
-            for pos in range(num_accepted):
-                accepted[pos] += 1
+            if num_drafted > 0:
+                num_drafts += 1
+                count_positions(drafted, accepted, num_drafted, num_accepted)
         self.spec_decode_num_drafts.inc(num_drafts)
         self.spec_decode_num_draft_tokens.inc(sum(drafted))
         self.spec_decode_num_accepted_tokens.inc(sum(accepted))

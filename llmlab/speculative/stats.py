@@ -32,6 +32,21 @@ def _ratio(numerator: int, denominator: int) -> float:
     return numerator / denominator if denominator else float("nan")
 
 
+def count_positions(
+    drafted_per_pos: list[int], accepted_per_pos: list[int], num_drafted: int, num_accepted: int
+) -> None:
+    """Add one draft to per-position counts (index ``j - 1`` is position ``j``), growing
+    the lists to ``num_drafted``."""
+    grow = num_drafted - len(drafted_per_pos)
+    if grow > 0:
+        drafted_per_pos.extend([0] * grow)
+        accepted_per_pos.extend([0] * (num_drafted - len(accepted_per_pos)))
+    for i in range(num_drafted):
+        drafted_per_pos[i] += 1
+    for i in range(num_accepted):
+        accepted_per_pos[i] += 1
+
+
 @attrs.frozen
 class SpecTotals:
     """Drafts and tokens over a span of steps (one request's life, one step).
@@ -146,27 +161,27 @@ class SpecDecodeStats:
         self.series.append(SpecStep(event.step_index, event.end_time_s, step))
 
     def _count_positions(self, num_drafted: int, num_accepted: int) -> None:
-        grow = num_drafted - len(self.drafted_per_pos)
-        if grow > 0:
-            for counts in (self.drafted_per_pos, self.accepted_per_pos, self.reached_per_pos):
-                counts.extend([0] * grow)
-        for i in range(num_drafted):
-            self.drafted_per_pos[i] += 1
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+        count_positions(self.drafted_per_pos, self.accepted_per_pos, num_drafted, num_accepted)
+        reached = self.reached_per_pos
+        reached.extend([0] * (num_drafted - len(reached)))
         # Verification stops at the first rejection: positions past it were never tested.
         for i in range(min(num_drafted, num_accepted + 1)):
-            self.reached_per_pos[i] += 1
+            reached[i] += 1
+
+    @property
+    def totals(self) -> SpecTotals:
+        """The three totals as one :class:`SpecTotals`."""
+        return SpecTotals(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted tokens."""
-        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+        return self.totals.acceptance_rate
 
     @property
     def mean_acceptance_length(self) -> float:
         """``1 + num_accepted_tokens / num_drafts``: tokens per verification, bonus included."""
-        return 1.0 + _ratio(self.num_accepted_tokens, self.num_drafts)
+        return self.totals.mean_acceptance_length
 
     @property
     def per_position_acceptance_rate(self) -> list[float]:

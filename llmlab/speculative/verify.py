@@ -123,7 +123,8 @@ def verify(
     # The token after the accepted run: the target's own there (residual after a
     # rejection), drawn for all sampled drafts in one race.
     finals: list[int] = [0] * len(drafts)
-    race_rows: list[tuple[int, torch.Tensor, torch.Generator | None]] = []
+    # (draft index, distribution, its virtual row, a uniform was drawn there first)
+    race_rows: list[tuple[int, torch.Tensor, int, bool]] = []
     for i, draft in enumerate(drafts):
         a, m = accepted[i], lengths[i]
         v = int(starts[i]) + a
@@ -194,9 +195,12 @@ class _Streams:
     sampling (:meth:`~llmlab.sampling.metadata.SamplingRow.seeded_generator`)."""
 
     def __init__(self, device: torch.device) -> None:
-        self._gen = torch.Generator(device=device)
+        self._device = device
+        self._gen: torch.Generator | None = None  # made at the first seeded row
 
     def at(self, row: SamplingRow) -> torch.Generator:
+        if self._gen is None:
+            self._gen = torch.Generator(device=self._device)
         self._gen.manual_seed(stream_seed(row.sampling_params.seed, len(row.output_token_ids)))
         return self._gen
 
