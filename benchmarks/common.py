@@ -18,11 +18,22 @@ from __future__ import annotations
 import math
 import pathlib
 import random
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
-import torch
+
+# The model arithmetic, the rate curve and the rate measurements live in the library (the
+# simulator's roofline cost model prices steps with them); re-exported here under their old
+# names (a redundant alias marks a re-export).
+from llmlab.sim.roofline import ModelShape as ModelShape
+from llmlab.sim.roofline import RateCurve as RateCurve
+from llmlab.sim.roofline import measure_cpu_rate_curve as measure_cpu_rate_curve
+from llmlab.sim.roofline import measure_cpu_read_bytes_per_s as measure_cpu_read_bytes_per_s
+from llmlab.sim.roofline import measure_cuda_copy_bytes_per_s as measure_cuda_copy_bytes_per_s
+from llmlab.sim.roofline import (
+    measure_cuda_matmul_flops_per_s as measure_cuda_matmul_flops_per_s,
+)
+from llmlab.sim.roofline import measure_matmul_flops_per_s as measure_matmul_flops_per_s
 
 # The default benchmark model: Llama-shaped, small enough for a CPU, big enough that matmuls
 # (not Python) should dominate a good engine's time.
@@ -119,53 +130,6 @@ def build_benchmark_model(path: pathlib.Path, seed: int = 0, device: str = "cpu"
 
 
 @attrs.frozen
-class ModelShape:
-    """The dimensions that decide a decoder-only transformer's matmul FLOPs."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-
-    @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        return cls(
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-        )
-
-    def layer_linear_flops_per_token(self) -> int:
-        """q, k, v, o projections plus the gated MLP (gate, up, down); 2 FLOPs per weight."""
-        h, q_dim = self.hidden_size, self.num_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        attention_proj = h * q_dim + 2 * h * kv_dim + q_dim * h
-        mlp = 3 * h * self.intermediate_size
-        return 2 * (attention_proj + mlp)
-
-    def lm_head_flops_per_token(self) -> int:
-        return 2 * self.hidden_size * self.vocab_size
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def attention_flops_per_layer(self, context_len: int) -> int:
-        """Scores (q @ k^T) and weighted values (p @ v) for one query token over its context."""
-        return 2 * 2 * context_len * self.head_dim * self.num_heads
-
-
-@attrs.frozen
 class WorkloadFlops:
     linear: int
     lm_head: int
@@ -187,7 +151,7 @@ def count_workload_flops(shape: ModelShape, workload: Workload) -> WorkloadFlops
     linear = lm_head = attention = 0
     for prompt, num_outputs in zip(workload.prompts, workload.output_lens, strict=True):
         tokens_through_layers = len(prompt) + num_outputs - 1
-        linear += tokens_through_layers * shape.num_layers * shape.layer_linear_flops_per_token()
+        linear += tokens_through_layers * shape.linear_flops_per_token()
         lm_head += num_outputs * shape.lm_head_flops_per_token()
         sum_of_context_lens = tokens_through_layers * (tokens_through_layers + 1) // 2
         attention += shape.num_layers * shape.attention_flops_per_layer(sum_of_context_lens)
@@ -204,69 +168,6 @@ def representative_matmul_shapes(shape: ModelShape) -> list[tuple[int, int, int]
         (64, h, ffn),  # a 64-request decode step through gate/up
         (64, h, vocab),  # ... through the lm_head
     ]
-
-
-def measure_matmul_flops_per_s(
-    rows: int,
-    inner: int,
-    cols: int,
-    num_trials: int = 15,
-    trial_time_s: float = 0.05,
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """Best ``torch.mm`` rate for one shape and dtype over short trials (the best trial, so
-    other processes sharing the CPU distort the floor as little as possible)."""
-    a = torch.randn(rows, inner, dtype=dtype)
-    b = torch.randn(inner, cols, dtype=dtype)
-    out = torch.empty(rows, cols, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    best_s_per_mm = float("inf")
-    for _ in range(num_trials):
-        iterations, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < trial_time_s or iterations < 2:
-            torch.mm(a, b, out=out)
-            iterations += 1
-        best_s_per_mm = min(best_s_per_mm, elapsed / iterations)
-    return 2 * rows * inner * cols / best_s_per_mm
-
-
-def measure_cpu_rate_curve(
-    shape: ModelShape,
-    dtype: torch.dtype = torch.float32,
-    rows: Sequence[int] = (1, 4, 16, 64, 256, 1024, 2048),
-    trial_time_s: float = 0.02,
-) -> RateCurve:
-    """The model's own linear-layer matmul rate at several row counts: at each, the
-    FLOP-weighted mean over the layer's projections (q/k/v/o, gate/up, down), each at its
-    best over short trials."""
-    h, ffn = shape.hidden_size, shape.intermediate_size
-    q = shape.num_heads * shape.head_dim
-    kv = shape.num_kv_heads * shape.head_dim
-    projections = [(h, q + 2 * kv), (q, h), (h, 2 * ffn), (ffn, h)]
-    rates = []
-    for m in rows:
-        flops = seconds = 0.0
-        for inner, cols in projections:
-            rate = measure_matmul_flops_per_s(m, inner, cols, 5, trial_time_s, dtype)
-            work = 2 * m * inner * cols
-            flops += work
-            seconds += work / rate
-        rates.append(flops / seconds)
-    return RateCurve(tuple(rows), tuple(rates))
-
-
-def measure_cpu_read_bytes_per_s(num_bytes: int = 1 << 29, num_trials: int = 7) -> float:
-    """Main-memory read bandwidth: the best time to sum a ``num_bytes`` float32 tensor (far
-    larger than any cache), all threads."""
-    x = torch.ones(num_bytes // 4)
-    x.sum()
-    best_s = math.inf
-    for _ in range(num_trials):
-        start = time.perf_counter()
-        x.sum()
-        best_s = min(best_s, time.perf_counter() - start)
-    return num_bytes / best_s
 
 
 # ---------------------------------------------------------------------------- weights
@@ -398,9 +299,9 @@ class StepCostModel:
         return cls(
             weight_bytes=weight_elements * dtype_bytes,
             kv_bytes_per_token=shape.kv_bytes_per_token(dtype_bytes),
-            linear_flops_per_token=shape.num_layers * shape.layer_linear_flops_per_token(),
+            linear_flops_per_token=shape.linear_flops_per_token(),
             lm_head_flops_per_row=shape.lm_head_flops_per_token(),
-            attention_flops_per_position=shape.num_layers * shape.attention_flops_per_layer(1),
+            attention_flops_per_position=shape.attention_flops_per_position(),
         )
 
     def bytes(self, work: StepWork) -> int:
@@ -436,33 +337,6 @@ class Roofline:
     @property
     def compute_bound_steps(self) -> int:
         return self.num_steps - self.memory_bound_steps
-
-
-@attrs.frozen
-class RateCurve:
-    """A matmul rate that depends on the rows in flight: measured at a few row counts,
-    interpolated linearly in log(rows) between them and flat beyond the ends. A step of 4
-    decode rows cannot reach the rate of a 2,048-row prefill, so each step is floored at
-    the rate of its own size."""
-
-    rows: tuple[int, ...]
-    flops_per_s: tuple[float, ...]
-
-    def __attrs_post_init__(self) -> None:
-        if not self.rows or len(self.rows) != len(self.flops_per_s):
-            raise ValueError("RateCurve needs as many rates as row counts, at least one")
-        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
-            raise ValueError(f"rows must be increasing and >= 1, got {self.rows}")
-
-    def __call__(self, rows: int) -> float:
-        xs, ys = self.rows, self.flops_per_s
-        if rows <= xs[0]:
-            return ys[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i]:
-                t = (math.log(rows) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
-                return ys[i - 1] + t * (ys[i] - ys[i - 1])
-        return ys[-1]
 
 
 def roofline(
@@ -540,31 +414,6 @@ def device_busy_us(trace_events: Iterable[Mapping]) -> tuple[float, int]:
 # ---------------------------------------------------------------------------- CUDA rates
 
 
-def measure_cuda_copy_bytes_per_s(
-    device, num_bytes: int = 1 << 30, num_trials: int = 10, copies_per_trial: int = 5
-) -> float:
-    """Device memory bandwidth: best device-to-device ``copy_`` of ``num_bytes`` (read plus
-    write, so ``2 * num_bytes`` moved per copy), timed with CUDA events."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    src.fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    best_s = math.inf
-    for _ in range(num_trials):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(copies_per_trial):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best_s = min(best_s, start.elapsed_time(end) / 1e3 / copies_per_trial)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / best_s
-
-
 def cuda_matmul_shapes(shape: ModelShape, step_tokens: int) -> list[tuple[int, int, int]]:
     """(rows, inner, cols) to time on the GPU: a large square one (near the device's peak)
     and the workload's own big ones (a full prefill step through gate/up and down, a
@@ -576,34 +425,3 @@ def cuda_matmul_shapes(shape: ModelShape, step_tokens: int) -> list[tuple[int, i
         (step_tokens, ffn, h),
         (256, h, vocab),
     ]
-
-
-def measure_cuda_matmul_flops_per_s(
-    device,
-    rows: int,
-    inner: int,
-    cols: int,
-    dtype: torch.dtype = torch.bfloat16,
-    num_trials: int = 10,
-    mms_per_trial: int = 10,
-) -> float:
-    """Best ``torch.mm`` rate for one shape and dtype on the GPU (CUDA events)."""
-    a = torch.randn(rows, inner, device=device, dtype=dtype)
-    b = torch.randn(inner, cols, device=device, dtype=dtype)
-    out = torch.empty(rows, cols, device=device, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    torch.cuda.synchronize(device)
-    best_s = math.inf
-    for _ in range(num_trials):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(mms_per_trial):
-            torch.mm(a, b, out=out)
-        end.record()
-        end.synchronize()
-        best_s = min(best_s, start.elapsed_time(end) / 1e3 / mms_per_trial)
-    del a, b, out
-    torch.cuda.empty_cache()
-    return 2 * rows * inner * cols / best_s

@@ -16,7 +16,8 @@ A name may also be an import path, ``"package.module:Class"``: the command line 
 module (which may register more names) and instantiates the class with no arguments.
 ``llmlab components`` lists every registered name with the first line of its docstring.
 
-Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler`` and
+Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler``,
+``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`) and
 ``model``. The registry maps names to *factories* (usually classes) called with no
 arguments; each engine gets fresh instances, so no state is shared between engines. Models
 are the exception: a ``model`` name is a Hugging Face architecture (``config.json``'s
@@ -40,6 +41,7 @@ KINDS: dict[str, str] = {
     "sampler": "llmlab.sampling.sampler",
     "model": "llmlab.models.registry",
     "proposer": "llmlab.speculative",
+    "router": "llmlab.routing",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -86,6 +88,9 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
     "proposer": (
         Method("propose", ("requests", "k"), returns="list[list[int]] | Proposal"),
     ),
+    "router": (
+        Method("route", ("request", "replicas"), returns="int"),
+    ),
     "model": (
         Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),
         Method("compute_logits", ("hidden",), returns="Tensor"),
@@ -94,8 +99,9 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
 }
 """Each kind's required methods and the call shapes the engine uses, in one place. The
 protocols in ``scheduler/policy.py``, ``cache/eviction.py``, ``attention/backend.py``,
-``sampling/sampler.py`` and ``models/base.py`` document them; :func:`check` holds a
-component (or a model class) to them before an engine loads weights."""
+``sampling/sampler.py``, ``speculative/proposer.py``, ``routing/policy.py`` and
+``models/base.py`` document them; :func:`check` holds a component (or a model class) to
+them before an engine loads weights."""
 
 # The scheduling policy's older form (scheduler.policy.OrderPolicy adapts it).
 LEGACY_SCHEDULING: tuple[Method, ...] = (

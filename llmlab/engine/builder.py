@@ -149,28 +149,13 @@ class EngineBuilder:
         # contract, before loading any weights.
         registry.check("model", get_model_class(getattr(hf_config, "architectures", None)))
         max_model_len = _max_model_len(cfg, hf_config)
-        if cfg.max_num_batched_tokens is None:
-            default_budget = 8192 if device.type == "cuda" else 2048
-            if cfg.enable_chunked_prefill is False:
-                # Unchunked prefill must fit the longest prompt in one step.
-                default_budget = max(default_budget, max_model_len)
-            cfg = attrs.evolve(cfg, max_num_batched_tokens=default_budget)
-        if cfg.seed is None:
-            # vLLM's seed=None: not reproducible, so draw one (and keep it in the config,
-            # where a user can read it back to replay the run).
-            cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+        cfg = resolve_step_settings(cfg, device.type, max_model_len)
         dtype = resolve_dtype(cfg.dtype, hf_config, device)
         if auto_attention:
             attention = auto_backend(device, dtype)
         check = getattr(attention, "check_dtype", None)
         if check is not None:  # e.g. the CPU kernels asked for float16: fail before loading
             check(dtype)
-        if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"enable_chunked_prefill=False needs max_num_batched_tokens "
-                f"({cfg.max_num_batched_tokens}) >= max_model_len ({max_model_len}), so that "
-                "every prompt fits one step"
-            )
 
         prepack = False
         if device.type == "cpu" and cfg.cpu_linear != "plain":
@@ -244,21 +229,8 @@ class EngineBuilder:
             ),
         )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
-        kv = KVCacheManager(
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            eviction=eviction or LRUEviction(),
-        )
         kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
-        scheduler = Scheduler(
-            kv=kv,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            policy=policy or FCFS(),
-            chunked_prefill=cfg.enable_chunked_prefill is not False,
-        )
+        scheduler = build_scheduler(cfg, num_blocks, max_model_len, policy, eviction)
         runner = runner_for(kv_caches, num_blocks)
         runner.threads = threads
         length = None
@@ -292,6 +264,52 @@ class EngineBuilder:
         if callable(getattr(length, "observe", None)):
             engine.subscribe(length.observe)  # an adaptive length learns from step events
         return engine
+
+
+def resolve_step_settings(cfg: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:
+    """The config with the defaults that depend on the device filled in (the token budget,
+    the seed), checked: the real engine's and the simulator's are the same."""
+    if cfg.max_num_batched_tokens is None:
+        default_budget = 8192 if device_type == "cuda" else 2048
+        if cfg.enable_chunked_prefill is False:
+            # Unchunked prefill must fit the longest prompt in one step.
+            default_budget = max(default_budget, max_model_len)
+        cfg = attrs.evolve(cfg, max_num_batched_tokens=default_budget)
+    if cfg.seed is None:
+        # vLLM's seed=None: not reproducible, so draw one (and keep it in the config,
+        # where a user can read it back to replay the run).
+        cfg = attrs.evolve(cfg, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+    if cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"enable_chunked_prefill=False needs max_num_batched_tokens "
+            f"({cfg.max_num_batched_tokens}) >= max_model_len ({max_model_len}), so that "
+            "every prompt fits one step"
+        )
+    return cfg
+
+
+def build_scheduler(
+    cfg: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    policy: SchedulingPolicy | None,
+    eviction: EvictionPolicy | None,
+) -> Scheduler:
+    """The KV cache manager and scheduler an engine of ``cfg`` runs (real or simulated)."""
+    kv = KVCacheManager(
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        eviction=eviction or LRUEviction(),
+    )
+    return Scheduler(
+        kv=kv,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        policy=policy or FCFS(),
+        chunked_prefill=cfg.enable_chunked_prefill is not False,
+    )
 
 
 def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,

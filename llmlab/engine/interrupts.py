@@ -9,10 +9,15 @@ such a section and delivers it right after, so an interrupt always sees a consis
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+
+# ``signal.signal`` converts every handler it returns to an enum, which costs more than the
+# rest of this section; the C function underneath takes and returns the same handlers.
+_set_handler = _signal.signal
 
 
 @contextlib.contextmanager
@@ -24,14 +29,14 @@ def deferred_interrupts() -> Iterator[None]:
         return
     received: list[int] = []
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        previous = _set_handler(signal.SIGINT, lambda signum, frame: received.append(signum))
     except ValueError:  # signals unavailable here (e.g. an embedded interpreter)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _set_handler(signal.SIGINT, previous)
         if received:
             if callable(previous):
                 previous(signal.SIGINT, None)

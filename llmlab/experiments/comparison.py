@@ -17,13 +17,13 @@ engine's ``StepEvent``s; :mod:`llmlab.experiments.metrics` defines each of them.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import logging
 import os
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import attrs
@@ -33,7 +33,7 @@ from llmlab import registry
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import StepEvent
-from llmlab.engine.outputs import RequestOutput
+from llmlab.experiments.collect import RunCollector
 from llmlab.experiments.metrics import RequestRecord, StepTrace, summarize
 from llmlab.experiments.workloads import Workload, WorkloadRequest
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
@@ -45,6 +45,9 @@ COMPONENT_KEYS = ("scheduling_policy", "eviction_policy", "attention_backend", "
 
 CONFIG_KEYS = tuple(f.name for f in attrs.fields(EngineConfig)) + COMPONENT_KEYS
 """Every key a configuration or ``engine_kwargs`` may hold: the ``LLM`` keywords."""
+
+SIM_KEYS = ("cost_model", "hardware")
+"""Keys a configuration may add with ``executor="sim"``."""
 
 KEY_METRICS = (
     ("output_tokens_per_s", "throughput (output tok/s)"),
@@ -82,8 +85,9 @@ class Comparison:
     def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4, fig=None):
         """A matplotlib ``Figure``: one bar chart per metric (default: those of
         :data:`KEY_METRICS` with a value in some run) across configurations, plus tokens
-        served per user (stacked) when there are several users. Built with the object API, so it needs no display. ``fig``: draw
-        into this figure or subfigure instead of a new one (it is returned)."""
+        served per user (stacked) when there are several users. Built with the object API,
+        so it needs no display. ``fig``: draw into this figure or subfigure instead of a new
+        one (it is returned)."""
         from matplotlib.figure import Figure
 
         titles = dict(KEY_METRICS)
@@ -146,6 +150,7 @@ def compare(
     model: ModelOrFactory,
     engine_kwargs: Mapping[str, Any] | None = None,
     progress: bool = True,
+    executor: str = "engine",
 ) -> Comparison:
     """Run ``workload`` on a fresh engine per configuration; return the metrics.
 
@@ -162,6 +167,10 @@ def compare(
             wins). A component instance here is deep-copied for each engine, so engines
             never share policy state; instances inside a configuration are used as given.
         progress: show a tqdm bar (requests finished) per configuration.
+        executor: ``"engine"`` runs the real model; ``"sim"`` runs each configuration on
+            :func:`~llmlab.sim.sim_engine` (the same scheduler and KV cache on a cost model,
+            in virtual time), where the keywords may also hold ``cost_model`` and
+            ``hardware``. The table's columns are the same either way.
 
     Raises ``ValueError`` before anything runs for an empty workload or ``configs``, a
     duplicate or empty label, an unknown keyword (naming it and the allowed ones), or an
@@ -171,11 +180,17 @@ def compare(
         raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
     if workload.num_requests == 0:
         raise ValueError(f"workload {workload.name!r} has no requests; give at least one")
+    if executor not in ("engine", "sim"):
+        raise ValueError(f"executor must be 'engine' or 'sim', got {executor!r}")
+    simulated = executor == "sim"
+    if simulated and callable(model):
+        raise ValueError("executor='sim' builds its own engines: give model as a path or None")
     is_llm = not callable(model)
-    shared = _check_settings("engine_kwargs", engine_kwargs or {}, is_llm=is_llm)
+    shared = _check_settings("engine_kwargs", engine_kwargs or {}, is_llm=is_llm,
+                             simulated=simulated)
     runs = _labelled(configs)
     for label, settings in runs.items():
-        _check_settings(f"configs[{label!r}]", settings, is_llm=is_llm)
+        _check_settings(f"configs[{label!r}]", settings, is_llm=is_llm, simulated=simulated)
         if is_llm:
             _check_engine_config(model, label, {**shared, **settings})
 
@@ -186,7 +201,7 @@ def compare(
         merged = {k: copy.deepcopy(v) if k in COMPONENT_KEYS and not isinstance(v, str) else v
                   for k, v in shared.items()}
         merged.update(settings)
-        engine = _build(model, merged)
+        engine = _build(model, merged, simulated)
         try:
             records, trace = run_workload(engine, workload, label=label, progress=progress)
             rows[label] = {**_policy_names(engine), **summarize(records, trace, workload.users)}
@@ -202,16 +217,26 @@ def compare(
 
 
 def run_workload(
-    engine: Engine, workload: Workload, *, label: str = "", progress: bool = False
+    engine: Engine,
+    workload: Iterable[WorkloadRequest],
+    *,
+    label: str = "",
+    progress: bool = False,
+    keep_events: bool = True,
 ) -> tuple[list[RequestRecord], StepTrace]:
     """Inject ``workload`` into an idle ``engine`` at its arrival times; step until all finish.
 
-    Requests get ids ``"0"``, ``"1"``, ... in arrival order, greedy sampling with
-    ``ignore_eos`` (so exactly ``max_tokens`` each) and cumulative outputs; the records'
-    times are seconds since the run's start. Waiting for an arrival sleeps, or advances the
-    clock when it has an ``advance`` method (a ``VirtualClock``). On any error or Ctrl-C
-    the observer is removed and the workload's requests still in the engine are aborted
-    before the exception propagates.
+    ``workload``: a :class:`Workload` or any iterable of :class:`WorkloadRequest` in arrival
+    order (a trace streamed from a file: it is read as the run goes). Requests get ids
+    ``"0"``, ``"1"``, ... in arrival order, greedy sampling with ``ignore_eos`` (so exactly
+    ``max_tokens`` each) and final-only outputs. A request joins before the next step if it
+    arrived by the end of the step before (``StepEvent.end_time_s``); when the engine has
+    nothing to do, the loop waits for the next arrival (sleeps, or advances the clock when
+    it has an ``advance`` method: a ``VirtualClock``) and adds what arrived by then. So the
+    decisions depend only on recorded times, which lets a simulation replay them exactly.
+    Record times are seconds since the run's start, taken from the step events. On any
+    error or Ctrl-C the observer is removed and the workload's requests still in the engine
+    are aborted before the exception propagates.
     """
     if engine.has_unfinished_requests():
         raise ValueError(
@@ -220,55 +245,61 @@ def run_workload(
         )
     clock = engine.clock
     t0 = clock()
-    records = {
-        str(i): RequestRecord(
-            request_id=str(i), user=r.user, priority=r.priority, arrival_s=r.arrival_time,
-            num_prompt_tokens=r.num_prompt_tokens, max_tokens=r.max_tokens,
-        )
-        for i, r in enumerate(workload.requests)
-    }
-    arrivals = list(zip(records.values(), workload.requests, strict=True))
-    trace = StepTrace()
-    unfinished: Counter = Counter()  # per user: arrived, not finished
-    backlogged: frozenset = frozenset()  # users with unfinished requests as a step begins
-
-    def observe(event: StepEvent) -> None:
-        trace.events.append(event)
-        trace.backlogged.append(backlogged)
-
-    bar = _ProgressBar(workload.num_requests, label, enabled=progress)
-    engine.subscribe(observe)
-    num_added = num_finished = 0
+    total = len(workload) if isinstance(workload, Sized) else None
+    bar = _ProgressBar(total, label, enabled=progress)
+    collector = RunCollector(t0, keep_events=keep_events, on_finish=bar.finished)
+    arrivals = iter(workload)
+    pending = next(arrivals, None)
+    num_added = 0
+    previous = 0.0
+    horizon = 0.0  # requests that arrived by then (s since t0) join before the next step
+    engine.subscribe(collector)
     try:
-        while num_finished < len(records):
-            now = clock() - t0
-            while num_added < len(arrivals) and arrivals[num_added][0].arrival_s <= now:
-                record, request = arrivals[num_added]
-                _add(engine, request, record, t0)
-                unfinished[record.user] += 1
+        while True:
+            while pending is not None and pending.arrival_time <= horizon:
+                request_id = str(num_added)
+                previous = check_arrival(pending, previous, num_added)
+                collector.add(request_id, pending)
+                _add(engine, pending, request_id, t0)
                 num_added += 1
+                pending = next(arrivals, None)
             if engine.has_unfinished_requests():
-                backlogged = frozenset(u for u, n in unfinished.items() if n)
-                outputs = engine.step()
-                now = clock() - t0
-                for out in outputs:
-                    record = records[out.request_id]
-                    if _update(record, out, now):
-                        unfinished[record.user] -= 1
-                        num_finished += 1
-                        bar.finished(record, now)
-            elif num_added < len(arrivals):
-                _wait_until(clock, t0 + arrivals[num_added][0].arrival_s)
+                collector.before_step()
+                last = collector.last_end_s
+                for out in engine.step():
+                    collector.output(out)
+                ended = collector.last_end_s
+                horizon = (ended if ended != last else clock()) - t0
+            elif pending is not None:
+                _wait_until(clock, t0 + pending.arrival_time)
+                horizon = pending.arrival_time
             else:
-                raise RuntimeError(
-                    f"the engine has no unfinished requests but {len(records) - num_finished} "
-                    "of the workload's have not finished (aborted from outside?)"
-                )
+                break
+        if collector.num_finished < num_added:
+            raise RuntimeError(
+                f"the engine has no unfinished requests but {num_added - collector.num_finished}"
+                " of the workload's have not finished (aborted from outside?)"
+            )
     finally:
-        engine.unsubscribe(observe)
+        engine.unsubscribe(collector)
         bar.close()
-        _abort_quietly(engine, [i for i, r in records.items() if r.finish_s is None])
-    return list(records.values()), trace
+        _abort_quietly(engine, collector.unfinished())
+    return list(collector.records.values()), collector.trace
+
+
+def check_arrival(request: object, previous: float, index: int) -> float:
+    """``request``'s arrival time, checked: a ``WorkloadRequest`` arriving no earlier than
+    the one before it (``previous``)."""
+    if not isinstance(request, WorkloadRequest):
+        raise TypeError(
+            f"workload item {index} must be a WorkloadRequest, got {type(request).__name__}"
+        )
+    if request.arrival_time < previous:
+        raise ValueError(
+            f"workload item {index} arrives at {request.arrival_time!r} s, before the one "
+            f"before it ({previous!r} s); a workload is in arrival order"
+        )
+    return request.arrival_time
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -309,17 +340,26 @@ def _labelled(configs: object) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def _check_settings(where: str, settings: object, *, is_llm: bool) -> dict[str, Any]:
+def _check_settings(
+    where: str, settings: object, *, is_llm: bool, simulated: bool = False
+) -> dict[str, Any]:
     """Keys and component names of ``LLM`` keywords (a factory's keywords are its own)."""
     if not isinstance(settings, Mapping):
         raise TypeError(f"{where} must be a dict of keywords, got {type(settings).__name__}")
     if not is_llm:
         return dict(settings)
-    unknown = sorted(set(settings) - set(CONFIG_KEYS), key=str)
+    allowed = CONFIG_KEYS + SIM_KEYS if simulated else CONFIG_KEYS
+    unknown = sorted(set(settings) - set(allowed), key=str)
     if unknown:
         raise ValueError(
-            f"{where} has unknown key(s) {unknown}; allowed: {', '.join(CONFIG_KEYS)}"
+            f"{where} has unknown key(s) {unknown}; allowed: {', '.join(allowed)}"
         )
+    if simulated:
+        for kind in COMPONENT_KEYS[2:]:
+            if settings.get(kind) is not None:
+                raise ValueError(
+                    f"{where} sets {kind}, which the simulator has none of (it runs no model)"
+                )
     for kind in COMPONENT_KEYS[:3]:
         if isinstance(settings.get(kind), str):
             registry.resolve(kind, settings[kind])  # an unknown name lists the known ones
@@ -328,8 +368,8 @@ def _check_settings(where: str, settings: object, *, is_llm: bool) -> dict[str, 
 
 def _check_engine_config(model: str | os.PathLike, label: str, settings: dict) -> None:
     """Build the ``EngineConfig`` now, so a bad value fails before any configuration runs."""
-    values = {k: v for k, v in settings.items() if k not in COMPONENT_KEYS}
-    values.setdefault("model", model)
+    values = {k: v for k, v in settings.items() if k not in COMPONENT_KEYS + SIM_KEYS}
+    values.setdefault("model", model if model is not None else "built-in")
     try:
         EngineConfig(**values)
     except (TypeError, ValueError) as err:
@@ -338,7 +378,12 @@ def _check_engine_config(model: str | os.PathLike, label: str, settings: dict) -
         raise
 
 
-def _build(model: ModelOrFactory, settings: dict[str, Any]) -> Engine:
+def _build(model: ModelOrFactory, settings: dict[str, Any], simulated: bool = False) -> Engine:
+    if simulated:
+        from llmlab.sim.engine import sim_engine
+
+        settings = dict(settings)
+        return sim_engine(settings.pop("model", model), **settings)
     if callable(model):
         built = model(**settings)
     else:
@@ -354,36 +399,27 @@ def _build(model: ModelOrFactory, settings: dict[str, Any]) -> Engine:
     return engine
 
 
-def _add(engine: Engine, request: WorkloadRequest, record: RequestRecord, t0: float) -> None:
-    params = SamplingParams(
-        max_tokens=request.max_tokens,
-        ignore_eos=True,
-        temperature=0,
-        output_kind=RequestOutputKind.CUMULATIVE,
-    )
+def _add(engine: Engine, request: WorkloadRequest, request_id: str, t0: float) -> None:
     engine.add_request(
-        record.request_id,
+        request_id,
         {"prompt_token_ids": list(request.prompt_token_ids)},
-        params,
+        workload_params(request.max_tokens),
         arrival_time=t0 + request.arrival_time,
         priority=request.priority,
         user=request.user,
     )
 
 
-def _update(record: RequestRecord, out: RequestOutput, now: float) -> bool:
-    """Note a step's output for ``record``; True if the request just finished."""
-    completion = out.outputs[0]
-    if record.first_token_s is None and completion.token_ids:
-        record.first_token_s = now
-    if not out.finished:
-        return False
-    record.finish_s = now
-    record.num_output_tokens = len(completion.token_ids)
-    record.output_token_ids = tuple(completion.token_ids)
-    record.num_cached_tokens = out.num_cached_tokens
-    record.finish_reason = completion.finish_reason
-    return True
+@functools.lru_cache(maxsize=4096)  # params are immutable: requests may share them
+def workload_params(max_tokens: int) -> SamplingParams:
+    """How a workload request samples: greedy, exactly ``max_tokens`` tokens (EOS ignored),
+    one output at the end."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def _abort_quietly(engine: Engine, request_ids: list[str]) -> None:
@@ -411,24 +447,26 @@ def _wait_until(clock: Callable[[], float], deadline: float) -> None:
 
 
 class _ProgressBar:
-    """Requests finished out of the workload's, with the output rate so far (tqdm.auto)."""
+    """Requests finished out of the workload's (when known), with the output rate so far
+    on the run's clock (tqdm.auto)."""
 
-    def __init__(self, total: int, label: str, *, enabled: bool) -> None:
+    def __init__(self, total: int | None, label: str, *, enabled: bool) -> None:
         self._bar = None
         self._num_output_tokens = 0
         if enabled:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=label or "requests", unit="req",
-                             dynamic_ncols=True)
+                             dynamic_ncols=True, mininterval=0.5)
 
-    def finished(self, record: RequestRecord, now: float) -> None:
+    def finished(self, record: RequestRecord) -> None:
         if self._bar is None:
             return
         self._num_output_tokens += record.num_output_tokens
         self._bar.update(1)
-        rate = self._num_output_tokens / max(now, 1e-9)
-        self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        if record.finish_s:
+            rate = self._num_output_tokens / record.finish_s
+            self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:

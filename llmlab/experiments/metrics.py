@@ -52,21 +52,30 @@ class RequestRecord:
 
 @attrs.define
 class StepTrace:
-    """A run's ``StepEvent``s, each with the users that were backlogged (had an arrived,
-    unfinished request) when that step began."""
+    """What a run's steps did, for the metrics: per step, the tokens computed per user and
+    the users that were backlogged (had an arrived, unfinished request) when it began;
+    the preemptions; and, unless a long run drops them, the ``StepEvent``s themselves."""
 
     events: list[StepEvent] = attrs.field(factory=list)
     backlogged: list[frozenset] = attrs.field(factory=list)
+    served: list[dict[str | None, int]] = attrs.field(factory=list)
+    num_preemptions: int = 0
+    keep_events: bool = True
+
+    def append(self, event: StepEvent, backlogged: frozenset) -> None:
+        """Note one step's event (``backlogged``: the users backlogged as it began)."""
+        if self.keep_events:
+            self.events.append(event)
+        self.backlogged.append(backlogged)
+        served: dict[str | None, int] = {}
+        for (_, num_new), user in zip(event.scheduled, event.scheduled_users, strict=True):
+            served[user] = served.get(user, 0) + num_new
+        self.served.append(served)
+        self.num_preemptions += len(event.preempted)
 
     def service(self) -> list[dict[str | None, int]]:
         """Tokens computed per user in each step."""
-        per_step = []
-        for event in self.events:
-            served: dict[str | None, int] = {}
-            for (_, num_new), user in zip(event.scheduled, event.scheduled_users, strict=True):
-                served[user] = served.get(user, 0) + num_new
-            per_step.append(served)
-        return per_step
+        return self.served
 
 
 def fairness_gap(
@@ -144,7 +153,7 @@ def summarize(
         if r.first_token_s is not None and r.num_output_tokens > 1
     ]
     num_prompt_tokens = sum(r.num_prompt_tokens for r in records)
-    service = trace.service()
+    service = trace.served
     served = {u: 0 for u in users}
     for step in service:
         for user, amount in step.items():
@@ -159,8 +168,11 @@ def summarize(
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_mean_s": _mean(tpot),
         "e2e_mean_s": _mean([r.finish_s - r.arrival_s for r in done]),
-        "prefix_hit_rate": sum(r.num_cached_tokens for r in records) / num_prompt_tokens,
-        "num_preemptions": sum(len(e.preempted) for e in trace.events),
+        "prefix_hit_rate": (
+            sum(r.num_cached_tokens for r in records) / num_prompt_tokens
+            if num_prompt_tokens else math.nan
+        ),
+        "num_preemptions": trace.num_preemptions,
         "fairness_gap_tokens": fairness_gap(service, trace.backlogged),
     }
     for user, amount in served.items():

@@ -55,6 +55,8 @@ class WorkloadRequest:
         max_tokens: tokens to generate (the run ignores EOS, so exactly this many).
         user: who sends it, for per-user policies and metrics (None: nobody in particular).
         priority: lower is served first by policies that read it (vLLM's semantics).
+        session: the conversation it belongs to (None: unknown), for routers that keep a
+            session on one replica.
     """
 
     arrival_time: float = attrs.field(
@@ -64,6 +66,8 @@ class WorkloadRequest:
     max_tokens: int = attrs.field(converter=functools.partial(as_int, "max_tokens", min=1))
     user: str | None = attrs.field(default=None, converter=_user)
     priority: int = attrs.field(default=0, converter=functools.partial(as_int, "priority"))
+    session: str | None = attrs.field(default=None, converter=functools.partial(
+        as_str, "session", allow_none=True))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -247,7 +251,7 @@ def shared_prefix_chat(
     for time, conversation in zip(times.tolist(), order.tolist(), strict=True):
         user_len, reply_len = _lengths(rng, user_spec, 1)[0], _lengths(rng, output_spec, 1)[0]
         prompt = history[conversation] + _tokens(rng, user_len, low, vocab_size)
-        requests.append(WorkloadRequest(time, prompt, reply_len))
+        requests.append(WorkloadRequest(time, prompt, reply_len, session=f"chat-{conversation}"))
         history[conversation] = prompt + _tokens(rng, reply_len, low, vocab_size)
     return Workload("shared_prefix_chat", requests)
 

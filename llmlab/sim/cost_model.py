@@ -1,0 +1,129 @@
+"""The ``CostModel`` component: how long one engine step takes, from its shape.
+
+A cost model is any object with ``step_time(shape) -> seconds``
+(:class:`~llmlab.sim.shape.BatchShape` in, a finite number >= 0 out). The time is the
+*whole* step cycle of the engine being modelled, host time included (scheduling, batch
+building, sampling, commit, and the driver's own loop between steps), because on small
+models the host is a large share of it. Built-ins:
+
+* :class:`~llmlab.sim.roofline.RooflineCostModel` (``"roofline"``): hardware peak rates,
+  from the model's shape and a hardware preset;
+* :class:`~llmlab.sim.profiled.ProfiledCostModel` (``"profiled"``): fitted on a real run's
+  recorded step events;
+* :class:`ReplayCostModel`: the measured step times of one real run, in order: for
+  checking that the simulator makes the same decisions as the engine.
+
+A cost model is user code: :func:`step_time` refuses an answer that is not a finite
+number >= 0, naming the model, before the clock moves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from llmlab.engine.events import StepEvent
+from llmlab.errors import ComponentError
+from llmlab.sim.shape import BatchShape
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicts the duration of one engine step (seconds, host time included)."""
+
+    def step_time(self, shape: BatchShape) -> float: ...
+
+
+def step_time(model: CostModel, shape: BatchShape) -> float:
+    """``model.step_time(shape)``, checked: a :class:`~llmlab.errors.ComponentError` naming
+    the model when it raises or answers anything but a finite number >= 0."""
+    try:
+        seconds = model.step_time(shape)
+    except Exception as err:
+        raise ComponentError.wrap("cost model", model, "step_time", err) from err
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        try:  # numpy scalars and the like
+            seconds = float(seconds)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ComponentError(
+                "cost model", model, "step_time",
+                f"returned {seconds!r}; a step time is a number of seconds >= 0",
+            ) from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ComponentError(
+            "cost model", model, "step_time",
+            f"returned {seconds!r} for {shape}; a step time is a finite number of seconds >= 0",
+        )
+    return float(seconds)
+
+
+def measured_step_times(events: Iterable[StepEvent]) -> list[tuple[StepEvent, float]]:
+    """Each batch-running event of a real run with the time its step cycle took.
+
+    The cycle of step ``k`` runs from the end of the step before it to its own end: the
+    host time between the two (the driver's loop, adding arrivals) belongs to it. After
+    the engine sat idle (nothing waiting or running after the previous step) it starts at
+    the earliest arrival it then received instead, so idle time never counts. The first
+    step starts at the earliest arrival it received (or at its own start).
+    """
+    out = []
+    previous: StepEvent | None = None
+    for event in events:
+        if event.scheduled:
+            begin = event.start_time_s
+            idle = previous is None or (previous.num_waiting == 0 and previous.num_running == 0)
+            if not idle:
+                begin = previous.end_time_s
+            elif event.arrived:
+                begin = min(begin, min(a.arrival_time for a in event.arrived))
+            out.append((event, max(event.end_time_s - begin, 0.0)))
+        previous = event
+    return out
+
+
+@attrs.define
+class ReplayCostModel:
+    """Replays a real run's measured step times, one per call, in order.
+
+    Given the run's events and the simulated clock, step ``k`` ends exactly when the real
+    step ``k`` ended (relative to the first arrival), so arrivals, admissions and every
+    time-dependent decision see the times the real engine saw. For the check that the
+    simulator and the engine decide the same: a replay of a different workload makes no
+    sense, and running past the recording raises.
+
+    Attributes:
+        end_times: each real step's end, seconds after the real run's start.
+        clock: the simulation's clock (read to land each step on its recorded end).
+    """
+
+    end_times: Sequence[float]
+    clock: object
+    name: str = "replay"
+    _next: int = 0
+
+    @classmethod
+    def of(cls, events: Iterable[StepEvent], t0: float, clock: object) -> ReplayCostModel:
+        """From a real run's events and the engine-clock time ``t0`` its run started."""
+        return cls([e.end_time_s - t0 for e in events if e.scheduled], clock)
+
+    def step_time(self, shape: BatchShape) -> float:
+        if self._next >= len(self.end_times):
+            raise ValueError(
+                f"the recording has {len(self.end_times)} steps; the simulation asked for "
+                "more (it diverged from the recorded run)"
+            )
+        end = self.end_times[self._next]
+        self._next += 1
+        return max(end - self.clock(), 0.0)
+
+
+def as_shapes(events: Iterable[StepEvent]) -> tuple[list[BatchShape], list[float]]:
+    """The shapes and measured cycle times (:func:`measured_step_times`) of a real run."""
+    shapes, times = [], []
+    for event, seconds in measured_step_times(events):
+        shapes.append(BatchShape.of_event(event))
+        times.append(seconds)
+    return shapes, times

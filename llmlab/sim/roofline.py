@@ -1,0 +1,740 @@
+"""The ``roofline`` cost model: a step takes as long as its matmuls or its memory traffic.
+
+A step through a decoder-only transformer must at least do its matmul FLOPs at the device's
+peak rate, and at least read every weight once plus the KV cache its attention reads (and
+write the KV of its new tokens) at the device's memory bandwidth; the slower of the two is
+the step's device floor (Williams, Waterman and Patterson, "Roofline: an insightful visual
+performance model for multicore architectures", CACM 2009). Small decode batches land on the
+memory side, long prefills on the compute side. On top of the floor comes the engine's own
+host time (:class:`HostCost`), which on small models is a large share of a step.
+
+Three pieces, each usable alone:
+
+* :class:`ModelShape`: a model's dimensions (from its Hugging Face config) and the
+  arithmetic on them: parameters, FLOPs per token, KV bytes per token;
+* :class:`Hardware`: peak rates, as public presets (:func:`hardware`) or measured here;
+* :class:`RooflineCostModel`: prices a :class:`~llmlab.sim.shape.BatchShape`.
+
+No torch at import time: it is imported inside the functions that measure.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from llmlab.validation import as_bool, as_int, as_real, as_str
+
+if TYPE_CHECKING:
+    from llmlab.sim.shape import BatchShape
+
+
+def _positive_int(field: str):
+    return functools.partial(as_int, field, min=1)
+
+
+def _nonnegative_int(field: str):
+    return functools.partial(as_int, field, min=0)
+
+
+def _positive_real(field: str):
+    return functools.partial(as_real, field, min=0, min_inclusive=False)
+
+
+def _nonnegative_real(field: str):
+    return functools.partial(as_real, field, min=0)
+
+
+def _fraction(field: str):
+    return functools.partial(as_real, field, min=0, max=1, min_inclusive=False)
+
+
+# ---------------------------------------------------------------------------- the model
+
+# model_type -> the family whose config names (and MLP) it uses: the Llama family's gated
+# MLP and grouped KV heads under Llama's names; GPT-2's and OPT's plain MLP under their own.
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "gpt2": "gpt2",
+    "opt": "opt",
+}
+# OPT's learned position table has two reserved (padding) rows before position 0.
+_OPT_POSITION_OFFSET = 2
+_MISSING = object()
+
+
+def _config_get(config: Any, key: str, default: Any = _MISSING) -> Any:
+    """``config[key]`` for a mapping, ``config.key`` otherwise; a missing key without a
+    default is a ValueError naming it."""
+    if isinstance(config, Mapping):
+        value = config.get(key, default)
+    else:
+        value = getattr(config, key, default)
+    if value is _MISSING:
+        raise ValueError(f"model config has no {key!r}, which ModelShape needs")
+    return value
+
+
+def _config_family(config: Any) -> str:
+    model_type = _config_get(config, "model_type", None) or ""
+    if model_type:
+        family = _MODEL_TYPES.get(model_type)
+        if family is None:
+            known = ", ".join(sorted(_MODEL_TYPES))
+            raise ValueError(
+                f"ModelShape does not know model_type {model_type!r}; known: {known} (or build "
+                "a ModelShape from its dimensions directly)"
+            )
+        return family
+    # A plain dict without model_type: tell the families apart by their key names.
+    if _config_get(config, "n_embd", None) is not None:
+        return "gpt2"
+    if _config_get(config, "ffn_dim", None) is not None:
+        return "opt"
+    return "llama"
+
+
+@attrs.frozen
+class ModelShape:
+    """The dimensions of a decoder-only transformer that decide its FLOPs and bytes.
+
+    Covers the architectures llmlab runs: Llama, Mistral, Qwen2 and Qwen3 (gated SiLU MLP:
+    gate, up and down projections), GPT-2 and OPT (plain two-matmul MLP, full multi-head
+    attention).
+
+    Attributes:
+        hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size,
+            vocab_size: as in the Hugging Face configs (GPT-2's ``n_embd``, ``n_layer``,
+            ``n_head``, ``n_inner``; OPT's ``ffn_dim``).
+        gated_mlp: the MLP has gate, up and down projections (False: up and down only).
+        tie_word_embeddings: the LM head is the input embedding matrix (stored, and read,
+            once).
+        word_embed_dim: width of the token embeddings and the LM head; OPT-350m's is
+            narrower than its layers, with projections in and out (default: hidden_size).
+        num_position_embeddings: rows of a learned position table (GPT-2, OPT); 0 for
+            rotary models.
+    """
+
+    hidden_size: int = attrs.field(converter=_positive_int("hidden_size"))
+    num_layers: int = attrs.field(converter=_positive_int("num_layers"))
+    num_heads: int = attrs.field(converter=_positive_int("num_heads"))
+    num_kv_heads: int = attrs.field(converter=_positive_int("num_kv_heads"))
+    head_dim: int = attrs.field(converter=_positive_int("head_dim"))
+    intermediate_size: int = attrs.field(converter=_positive_int("intermediate_size"))
+    vocab_size: int = attrs.field(converter=_positive_int("vocab_size"))
+    gated_mlp: bool = attrs.field(default=True, converter=functools.partial(as_bool, "gated_mlp"))
+    tie_word_embeddings: bool = attrs.field(
+        default=False, converter=functools.partial(as_bool, "tie_word_embeddings")
+    )
+    word_embed_dim: int = attrs.field(
+        default=attrs.Factory(lambda self: self.hidden_size, takes_self=True),
+        converter=_positive_int("word_embed_dim"),
+    )
+    num_position_embeddings: int = attrs.field(
+        default=0, converter=_nonnegative_int("num_position_embeddings")
+    )
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """From a ``transformers.PretrainedConfig``, a plain dict of the same keys, or any
+        object with them as attributes. The family comes from ``model_type`` (or, in a dict
+        without one, from the key names); a missing key that has a default in transformers
+        takes that default."""
+        family = _config_family(config)
+        get = functools.partial(_config_get, config)
+        if family == "gpt2":
+            hidden, heads = get("n_embd"), get("n_head")
+            return cls(
+                hidden_size=hidden,
+                num_layers=get("n_layer"),
+                num_heads=heads,
+                num_kv_heads=heads,
+                head_dim=hidden // heads,
+                intermediate_size=get("n_inner", None) or 4 * hidden,
+                vocab_size=get("vocab_size"),
+                gated_mlp=False,
+                tie_word_embeddings=bool(get("tie_word_embeddings", True)),
+                num_position_embeddings=get("n_positions", 1024),
+            )
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        if family == "opt":
+            return cls(
+                hidden_size=hidden,
+                num_layers=get("num_hidden_layers"),
+                num_heads=heads,
+                num_kv_heads=heads,
+                head_dim=hidden // heads,
+                intermediate_size=get("ffn_dim"),
+                vocab_size=get("vocab_size"),
+                gated_mlp=False,
+                tie_word_embeddings=bool(get("tie_word_embeddings", True)),
+                word_embed_dim=get("word_embed_proj_dim", None) or hidden,
+                num_position_embeddings=get("max_position_embeddings", 2048)
+                + _OPT_POSITION_OFFSET,
+            )
+        return cls(
+            hidden_size=hidden,
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", None) or heads,
+            head_dim=get("head_dim", None) or hidden // heads,
+            intermediate_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"),
+            gated_mlp=True,
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelShape:
+        """From a model directory's ``config.json`` (no weights are read). Through
+        ``transformers.AutoConfig``, because a saved config leaves out the keys that equal
+        its class's defaults."""
+        from transformers import AutoConfig
+
+        return cls.from_hf_config(AutoConfig.from_pretrained(os.fspath(path)))
+
+    # -- weights
+
+    def _layer_parameters(self) -> int:
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h  # q, k, v, o
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
+        return attention + mlp
+
+    def _embed_projection_parameters(self) -> int:
+        """OPT-350m's project_in and project_out (word_embed_dim <-> hidden_size)."""
+        if self.word_embed_dim == self.hidden_size:
+            return 0
+        return 2 * self.hidden_size * self.word_embed_dim
+
+    def num_parameters(self) -> int:
+        """Weight matrices: embeddings (tokens, learned positions), every layer's projections,
+        and the LM head, a tied one counted once. The 1-D parameters (norm scales, biases)
+        are left out: under 0.1% of a real model."""
+        embedding = self.vocab_size * self.word_embed_dim
+        positions = self.num_position_embeddings * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.word_embed_dim
+        return (
+            embedding
+            + positions
+            + self._embed_projection_parameters()
+            + self.num_layers * self._layer_parameters()
+            + head
+        )
+
+    def num_parameters_read(self) -> int:
+        """Weights one forward pass reads in full: :meth:`num_parameters` less the tables it
+        only looks rows up in (an untied input embedding, learned positions). A tied table
+        stays: the LM head reads all of it. Same rule as the throughput benchmark's
+        ``weight_elements_read``."""
+        untied_embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.word_embed_dim
+        positions = self.num_position_embeddings * self.hidden_size
+        return self.num_parameters() - untied_embedding - positions
+
+    # -- FLOPs and bytes
+
+    def layer_linear_flops_per_token(self) -> int:
+        """One layer's projections: q, k, v, o plus the MLP (gate, up, down, or up, down);
+        2 FLOPs per weight."""
+        return 2 * self._layer_parameters()
+
+    def linear_flops_per_token(self) -> int:
+        """Every layer's projections, plus OPT-350m's embedding projections in and out."""
+        return (
+            self.num_layers * self.layer_linear_flops_per_token()
+            + 2 * self._embed_projection_parameters()
+        )
+
+    def lm_head_flops_per_token(self) -> int:
+        """One row through the LM head (a sampled position)."""
+        return 2 * self.word_embed_dim * self.vocab_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def attention_flops_per_layer(self, context_len: int) -> int:
+        """Scores (q @ k^T) and weighted values (p @ v) for one query token over its context."""
+        return 2 * 2 * context_len * self.head_dim * self.num_heads
+
+    def attention_flops_per_position(self) -> int:
+        """One (query token, attended position) pair in every layer."""
+        return self.num_layers * self.attention_flops_per_layer(1)
+
+
+# ---------------------------------------------------------------------------- rates
+
+
+@attrs.frozen
+class RateCurve:
+    """A matmul rate that depends on the rows in flight: measured at a few row counts,
+    interpolated linearly in log(rows) between them and flat beyond the ends. A step of 4
+    decode rows cannot reach the rate of a 2,048-row prefill, so each step is floored at
+    the rate of its own size."""
+
+    rows: tuple[int, ...]
+    flops_per_s: tuple[float, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.flops_per_s):
+            raise ValueError("RateCurve needs as many rates as row counts, at least one")
+        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"rows must be increasing and >= 1, got {self.rows}")
+        for rate in self.flops_per_s:
+            as_real("flops_per_s", rate, min=0, min_inclusive=False)
+
+    def __call__(self, rows: int) -> float:
+        xs, ys = self.rows, self.flops_per_s
+        if rows <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                t = (math.log(rows) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        return ys[-1]
+
+    @property
+    def peak(self) -> float:
+        return max(self.flops_per_s)
+
+
+def _torch_dtype(dtype: Any):
+    """A torch dtype from a name (``"bf16"``, ``"torch.float32"``, ...) or a torch dtype."""
+    from llmlab.dtypes import dtype_from_name
+
+    resolved = dtype_from_name(dtype)
+    if resolved is None:
+        raise ValueError("dtype 'auto' names no size here; give float32, bfloat16, ...")
+    return resolved
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a dtype name (``"bfloat16"`` -> 2) or a torch dtype."""
+    return _torch_dtype(dtype).itemsize
+
+
+def measure_matmul_flops_per_s(
+    rows: int,
+    inner: int,
+    cols: int,
+    num_trials: int = 15,
+    trial_time_s: float = 0.05,
+    dtype: Any = "float32",
+) -> float:
+    """Best CPU ``torch.mm`` rate for one shape and dtype over short trials (the best trial,
+    so other processes sharing the CPU distort it as little as possible)."""
+    import torch
+
+    dtype = _torch_dtype(dtype)
+    a = torch.randn(rows, inner, dtype=dtype)
+    b = torch.randn(inner, cols, dtype=dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    best_s_per_mm = float("inf")
+    for _ in range(num_trials):
+        iterations, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < trial_time_s or iterations < 2:
+            torch.mm(a, b, out=out)
+            iterations += 1
+        best_s_per_mm = min(best_s_per_mm, elapsed / iterations)
+    return 2 * rows * inner * cols / best_s_per_mm
+
+
+def measure_cpu_rate_curve(
+    shape: ModelShape,
+    dtype: Any = "float32",
+    rows: Sequence[int] = (1, 4, 16, 64, 256, 1024, 2048),
+    trial_time_s: float = 0.02,
+) -> RateCurve:
+    """The model's own linear-layer matmul rate at several row counts: at each, the
+    FLOP-weighted mean over the layer's projections (fused q/k/v, o, the MLP's input
+    projections, its output projection), each at its best over short trials."""
+    h, ffn = shape.hidden_size, shape.intermediate_size
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    mlp_in = 2 * ffn if shape.gated_mlp else ffn
+    projections = [(h, q + 2 * kv), (q, h), (h, mlp_in), (ffn, h)]
+    rates = []
+    for m in rows:
+        flops = seconds = 0.0
+        for inner, cols in projections:
+            rate = measure_matmul_flops_per_s(m, inner, cols, 5, trial_time_s, dtype)
+            work = 2 * m * inner * cols
+            flops += work
+            seconds += work / rate
+        rates.append(flops / seconds)
+    return RateCurve(tuple(rows), tuple(rates))
+
+
+def measure_cpu_read_bytes_per_s(num_bytes: int = 1 << 29, num_trials: int = 7) -> float:
+    """Main-memory read bandwidth: the best time to sum a ``num_bytes`` float32 tensor (far
+    larger than any cache), all threads."""
+    import torch
+
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    best_s = math.inf
+    for _ in range(num_trials):
+        start = time.perf_counter()
+        x.sum()
+        best_s = min(best_s, time.perf_counter() - start)
+    return num_bytes / best_s
+
+
+def measure_cuda_copy_bytes_per_s(
+    device, num_bytes: int = 1 << 30, num_trials: int = 10, copies_per_trial: int = 5
+) -> float:
+    """Device memory bandwidth: best device-to-device ``copy_`` of ``num_bytes`` (read plus
+    write, so ``2 * num_bytes`` moved per copy), timed with CUDA events."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    best_s = math.inf
+    for _ in range(num_trials):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(copies_per_trial):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best_s = min(best_s, start.elapsed_time(end) / 1e3 / copies_per_trial)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / best_s
+
+
+def measure_cuda_matmul_flops_per_s(
+    device,
+    rows: int,
+    inner: int,
+    cols: int,
+    dtype: Any = "bfloat16",
+    num_trials: int = 10,
+    mms_per_trial: int = 10,
+) -> float:
+    """Best ``torch.mm`` rate for one shape and dtype on the GPU (CUDA events)."""
+    import torch
+
+    dtype = _torch_dtype(dtype)
+    a = torch.randn(rows, inner, device=device, dtype=dtype)
+    b = torch.randn(inner, cols, device=device, dtype=dtype)
+    out = torch.empty(rows, cols, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    torch.cuda.synchronize(device)
+    best_s = math.inf
+    for _ in range(num_trials):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(mms_per_trial):
+            torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        best_s = min(best_s, start.elapsed_time(end) / 1e3 / mms_per_trial)
+    del a, b, out
+    torch.cuda.empty_cache()
+    return 2 * rows * inner * cols / best_s
+
+
+# ---------------------------------------------------------------------------- hardware
+
+GiB = 1 << 30
+
+# What Hardware.measure times on a CPU: a 2048-wide layer at these row counts (the rate
+# climbs with the rows), and a 256 MiB read (larger than any CPU's last-level cache but
+# the biggest AMD V-Cache parts). Under a second on two cores.
+_CPU_CURVE_ROWS = (1, 8, 64, 256)
+_CPU_CURVE_WIDTH = 2048
+_CPU_READ_BYTES = 256 << 20
+
+
+@attrs.frozen
+class Hardware:
+    """A device's peak rates, as the roofline uses them.
+
+    Attributes:
+        name: the registered name (:func:`hardware`), or ``"this_machine"``.
+        matmul_flops_per_s: peak dense matmul rate in the serving dtype (bf16/fp16 tensor
+            cores for the GPU presets).
+        memory_bytes_per_s: memory (HBM, GDDR or DRAM) bandwidth.
+        memory_bytes: memory capacity.
+        description: where the numbers come from.
+        flops_curve: the matmul rate as a function of the rows through the layers; when
+            given it replaces ``matmul_flops_per_s`` in step times (a CPU reaches its peak
+            only on large batches).
+    """
+
+    name: str = attrs.field(converter=functools.partial(as_str, "name", allow_empty=False))
+    matmul_flops_per_s: float = attrs.field(converter=_positive_real("matmul_flops_per_s"))
+    memory_bytes_per_s: float = attrs.field(converter=_positive_real("memory_bytes_per_s"))
+    memory_bytes: float = attrs.field(converter=_positive_real("memory_bytes"))
+    description: str = ""
+    flops_curve: RateCurve | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(RateCurve))
+    )
+
+    def matmul_rate(self, rows: int) -> float:
+        """The matmul rate a step with ``rows`` tokens through the layers reaches."""
+        if self.flops_curve is None:
+            return self.matmul_flops_per_s
+        return self.flops_curve(max(rows, 1))
+
+    @classmethod
+    def measure(cls, dtype: Any = "float32", device: str = "cpu") -> Hardware:
+        """This machine's rates in ``dtype``, measured now (once per process per dtype and
+        device; later calls return the same object). CPU: a ``torch.mm`` rate curve over
+        batch sizes on a 2048-wide layer (peak: its best point) and the read bandwidth of a
+        256 MiB sum, in under a second. CUDA (pass ``dtype="bfloat16"`` for the serving
+        rate): the best ``torch.mm`` over three large shapes and a 1 GiB device copy."""
+        return _measure(str(_torch_dtype(dtype)).removeprefix("torch."), str(device))
+
+
+@functools.cache
+def _measure(dtype: str, device: str) -> Hardware:
+    if device.startswith("cuda"):
+        return _measure_cuda(dtype, device)
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    rates = tuple(
+        measure_matmul_flops_per_s(
+            m, _CPU_CURVE_WIDTH, _CPU_CURVE_WIDTH, num_trials=3, trial_time_s=0.01, dtype=dtype
+        )
+        for m in _CPU_CURVE_ROWS
+    )
+    curve = RateCurve(_CPU_CURVE_ROWS, rates)
+    return Hardware(
+        name="this_machine",
+        matmul_flops_per_s=curve.peak,
+        memory_bytes_per_s=measure_cpu_read_bytes_per_s(_CPU_READ_BYTES, num_trials=2),
+        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        description=(
+            f"this machine's CPU ({os.cpu_count()} logical cores), measured: {dtype} torch.mm "
+            f"on a {_CPU_CURVE_WIDTH}-wide layer at {_CPU_CURVE_ROWS} rows, "
+            f"{_CPU_READ_BYTES >> 20} MiB read"
+        ),
+        flops_curve=curve,
+    )
+
+
+def _measure_cuda(dtype: str, device: str) -> Hardware:
+    import torch
+
+    shapes = [(8192, 8192, 8192), (4096, 4096, 16384), (16384, 4096, 4096)]
+    flops = max(
+        measure_cuda_matmul_flops_per_s(device, m, k, n, dtype=dtype, num_trials=5)
+        for m, k, n in shapes
+    )
+    props = torch.cuda.get_device_properties(device)
+    return Hardware(
+        name="this_machine",
+        matmul_flops_per_s=flops,
+        memory_bytes_per_s=measure_cuda_copy_bytes_per_s(device, num_trials=5),
+        memory_bytes=props.total_memory,
+        description=f"{props.name}, measured: best {dtype} torch.mm, device-to-device copy",
+    )
+
+
+# Public spec sheets, dense (no 2:4 sparsity) bf16 tensor-core rates:
+# - H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100):
+#   1,979 TFLOPS bf16 with sparsity, so 989.4 dense; 3.35 TB/s HBM3; 80 GB.
+# - H200 SXM: NVIDIA H200 page (nvidia.com/en-us/data-center/h200): same Hopper compute
+#   as the H100 SXM; 4.8 TB/s HBM3e; 141 GB.
+# - A100 80GB SXM: NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOPS
+#   bf16 dense; 2,039 GB/s HBM2e; 80 GB.
+# - L4: NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4): 242 TFLOPS bf16 with
+#   sparsity, so 121 dense; 300 GB/s GDDR6; 24 GB.
+# Real kernels reach a fraction of these: set RooflineCostModel's efficiencies from a run.
+PRESETS: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware("h100_sxm", 989.4e12, 3.35e12, 80 * GiB, "NVIDIA H100 SXM5 80GB (spec sheet)"),
+        Hardware("h200", 989.4e12, 4.8e12, 141e9, "NVIDIA H200 SXM 141GB (spec sheet)"),
+        Hardware("a100_80gb", 312e12, 2.039e12, 80 * GiB, "NVIDIA A100 80GB SXM (spec sheet)"),
+        Hardware("l4", 121e12, 300e9, 24e9, "NVIDIA L4 24GB (spec sheet)"),
+    )
+}
+ALIASES = {"h100": "h100_sxm", "a100": "a100_80gb"}
+THIS_MACHINE = "this_machine"
+
+
+def hardware_names() -> list[str]:
+    """Every name :func:`hardware` accepts."""
+    return sorted([*PRESETS, *ALIASES, THIS_MACHINE])
+
+
+def hardware(name_or_instance: str | Hardware) -> Hardware:
+    """A :class:`Hardware` by registered name (``"h100"``, ``"l4"``, ``"this_machine"``:
+    measured on this machine's CPU, float32), or the instance itself."""
+    if isinstance(name_or_instance, Hardware):
+        return name_or_instance
+    if not isinstance(name_or_instance, str):
+        raise TypeError(f"hardware must be a name or a Hardware, got {name_or_instance!r}")
+    name = name_or_instance.strip().lower()
+    if name == THIS_MACHINE:
+        return Hardware.measure()
+    name = ALIASES.get(name, name)
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown hardware {name_or_instance!r}; known: {', '.join(hardware_names())}"
+        )
+    return PRESETS[name]
+
+
+_lookup_hardware = hardware  # RooflineCostModel.for_model's argument shadows the name
+
+
+# ---------------------------------------------------------------------------- host time
+
+
+@attrs.frozen
+class HostCost:
+    """The engine's own host time per step: scheduling, building the batch, sampling,
+    committing tokens, emitting events. Modelled, not measured:
+
+        time = per_step_s + per_request_s * num_requests + per_token_s * num_tokens
+               + per_admission_s * num_admitted
+
+    The defaults are rough numbers for llmlab's CPU engine (a few hundred microseconds a
+    step, tens per request); fit them on a real run's step events for anything you report.
+    TODO(maintainers): retune the defaults from measurements.
+    """
+
+    per_step_s: float = attrs.field(default=3e-4, converter=_nonnegative_real("per_step_s"))
+    per_request_s: float = attrs.field(
+        default=1.5e-5, converter=_nonnegative_real("per_request_s")
+    )
+    per_token_s: float = attrs.field(default=0.0, converter=_nonnegative_real("per_token_s"))
+    per_admission_s: float = attrs.field(
+        default=5e-5, converter=_nonnegative_real("per_admission_s")
+    )
+
+    def time(self, shape: BatchShape) -> float:
+        return (
+            self.per_step_s
+            + self.per_request_s * shape.num_requests
+            + self.per_token_s * shape.num_tokens
+            + self.per_admission_s * shape.num_admitted
+        )
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+def _as_model_shape(value: Any) -> ModelShape:
+    if not isinstance(value, ModelShape):
+        raise TypeError(
+            f"model must be a ModelShape (see RooflineCostModel.for_model for a model "
+            f"directory or a config), got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _as_host_cost(value: Any) -> HostCost:
+    if not isinstance(value, HostCost):
+        raise TypeError(f"host must be a HostCost, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _default_weight_bytes(value: int | None, self: RooflineCostModel) -> int:
+    if value is None:
+        return self.model.num_parameters_read() * self.dtype_bytes
+    return as_int("weight_bytes", value, min=0)
+
+
+@attrs.frozen
+class RooflineCostModel:
+    """A step takes ``max(FLOPs / matmul rate, bytes / bandwidth)`` plus host time.
+
+    FLOPs: every token through the layers' projections, every sampled row through the LM
+    head, every (token, attended position) pair through attention. Bytes: every weight once,
+    the KV the step's attention reads (``context_tokens``) and the KV its new tokens write.
+    An ideal kernel's floor, so the efficiencies (the fraction of peak a real run reaches,
+    from a measurement) scale the rates down. A step with no requests costs host time only.
+
+    Attributes:
+        model: the model's shape.
+        hardware: a :class:`Hardware` or a registered name (:func:`hardware`).
+        dtype_bytes: bytes per weight and per KV element.
+        weight_bytes: weights read per step (default: ``model.num_parameters_read()`` times
+            ``dtype_bytes``; give it for quantized weights or a measured checkpoint).
+        compute_efficiency, memory_efficiency: fractions of the peak rates reached, in (0, 1].
+        host: the engine's host time per step.
+    """
+
+    # Converters, not validators, check the types: weight_bytes's default reads the model,
+    # and attrs runs every converter before any validator.
+    model: ModelShape = attrs.field(converter=_as_model_shape)
+    hardware: Hardware = attrs.field(converter=hardware)
+    dtype_bytes: int = attrs.field(default=2, converter=_positive_int("dtype_bytes"))
+    weight_bytes: int = attrs.field(
+        default=None, converter=attrs.Converter(_default_weight_bytes, takes_self=True)
+    )
+    compute_efficiency: float = attrs.field(
+        default=1.0, converter=_fraction("compute_efficiency")
+    )
+    memory_efficiency: float = attrs.field(default=1.0, converter=_fraction("memory_efficiency"))
+    host: HostCost = attrs.field(factory=HostCost, converter=_as_host_cost)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ModelShape | str | os.PathLike | Any,
+        hardware: str | Hardware = THIS_MACHINE,
+        dtype: Any = None,
+        **kwargs: Any,
+    ) -> RooflineCostModel:
+        """For a model directory (its ``config.json``), a Hugging Face config or a
+        :class:`ModelShape`, on ``hardware``. ``dtype`` (``"bfloat16"``, ``"float32"``, ...)
+        sets ``dtype_bytes``; by default float32 on ``"this_machine"`` (measured in that
+        dtype) and bfloat16 on a preset. ``kwargs``: the other fields."""
+        if isinstance(model, (str, os.PathLike)):
+            model = ModelShape.from_pretrained(model)
+        elif not isinstance(model, ModelShape):
+            model = ModelShape.from_hf_config(model)
+        on_this_machine = isinstance(hardware, str) and hardware.strip().lower() == THIS_MACHINE
+        if dtype is None:
+            dtype = "float32" if on_this_machine else "bfloat16"
+        device = Hardware.measure(dtype) if on_this_machine else _lookup_hardware(hardware)
+        return cls(model=model, hardware=device, dtype_bytes=dtype_bytes(dtype), **kwargs)
+
+    def flops(self, shape: BatchShape) -> int:
+        m = self.model
+        return (
+            shape.num_tokens * m.linear_flops_per_token()
+            + shape.num_sampled * m.lm_head_flops_per_token()
+            + shape.attention_positions * m.attention_flops_per_position()
+        )
+
+    def bytes(self, shape: BatchShape) -> int:
+        kv_tokens = shape.context_tokens + shape.num_tokens  # read the context, write the new
+        return self.weight_bytes + kv_tokens * self.model.kv_bytes_per_token(self.dtype_bytes)
+
+    def compute_time(self, shape: BatchShape) -> float:
+        rate = self.hardware.matmul_rate(shape.num_tokens) * self.compute_efficiency
+        return self.flops(shape) / rate
+
+    def memory_time(self, shape: BatchShape) -> float:
+        return self.bytes(shape) / (self.hardware.memory_bytes_per_s * self.memory_efficiency)
+
+    def step_time(self, shape: BatchShape) -> float:
+        host_s = self.host.time(shape)
+        if shape.num_requests == 0:
+            return host_s
+        return max(self.compute_time(shape), self.memory_time(shape)) + host_s
