@@ -14,7 +14,7 @@ from collections import Counter
 
 from llmlab.engine.events import StepEvent
 from llmlab.engine.outputs import RequestOutput
-from llmlab.experiments.metrics import RequestRecord, StepTrace
+from llmlab.experiments.metrics import RecordColumns, RequestRecord, StepTrace
 from llmlab.experiments.workloads import WorkloadRequest
 
 
@@ -27,12 +27,16 @@ class RunCollector:
         keep_tokens: keep each request's output token ids in its record.
         on_finish: called with each record when its request finishes (progress bars,
             routers' bookkeeping).
+        compact: move each finished request's record into :attr:`columns` (a few numbers
+            each), so a run of millions of requests keeps only the unfinished ones as
+            objects; ``records`` then holds those.
     """
 
     def __init__(self, t0: float, *, keep_events: bool = True, keep_tokens: bool = True,
-                 on_finish=None) -> None:
+                 on_finish=None, compact: bool = False) -> None:
         self.t0 = t0
         self.records: dict[str, RequestRecord] = {}
+        self.columns: RecordColumns | None = RecordColumns() if compact else None
         self.trace = StepTrace(keep_events=keep_events)
         self.keep_tokens = keep_tokens
         self.on_finish = on_finish
@@ -87,6 +91,8 @@ class RunCollector:
             record.finish_reason = completion.finish_reason
         if self.on_finish is not None:
             self.on_finish(record)
+        if self.columns is not None:
+            self.columns.append(self.records.pop(out.request_id))
         return record
 
     def unfinished(self) -> list[str]:

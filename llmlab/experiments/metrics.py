@@ -22,6 +22,7 @@ arrival ``t0 + arrival_time``, so time spent before the engine first saw it coun
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from collections.abc import Collection, Hashable, Mapping, Sequence
@@ -48,6 +49,83 @@ class RequestRecord:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     output_token_ids: tuple[int, ...] = ()
+
+
+_FLOAT_FIELDS = ("arrival_s", "first_token_s", "finish_s")
+_INT_FIELDS = ("priority", "num_prompt_tokens", "max_tokens", "num_output_tokens",
+               "num_cached_tokens")
+
+
+class RecordColumns:
+    """Finished requests' records as columns: a few numbers per request instead of a
+    :class:`RequestRecord` object, for runs of millions of requests (a simulation of a long
+    trace). Request ids must be integers in text (the run loops' ``"0"``, ``"1"``, ...);
+    output token ids are not kept. Times missing from a record are NaN."""
+
+    def __init__(self) -> None:
+        self.request_id = array.array("q")
+        self.user: list[str | None] = []
+        self.finish_reason: list[str | None] = []
+        self._floats = {name: array.array("d") for name in _FLOAT_FIELDS}
+        self._ints = {name: array.array("q") for name in _INT_FIELDS}
+
+    def __len__(self) -> int:
+        return len(self.request_id)
+
+    def append(self, record: RequestRecord) -> None:
+        self.request_id.append(int(record.request_id))
+        self.user.append(record.user)
+        self.finish_reason.append(record.finish_reason)
+        for name, column in self._floats.items():
+            value = getattr(record, name)
+            column.append(math.nan if value is None else value)
+        for name, column in self._ints.items():
+            column.append(getattr(record, name))
+
+    def extend(self, other: RecordColumns) -> None:
+        """Append every row of ``other``."""
+        self.request_id.extend(other.request_id)
+        self.user.extend(other.user)
+        self.finish_reason.extend(other.finish_reason)
+        for name, column in self._floats.items():
+            column.extend(other._floats[name])
+        for name, column in self._ints.items():
+            column.extend(other._ints[name])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every numeric column as a numpy array (no copy of the data)."""
+        out = {"request_id": np.frombuffer(self.request_id, dtype=np.int64)}
+        out.update({k: np.frombuffer(v, dtype=np.float64) for k, v in self._floats.items()})
+        out.update({k: np.frombuffer(v, dtype=np.int64) for k, v in self._ints.items()})
+        return out
+
+    def to_pandas(self):
+        """One row per request, the columns of :class:`RequestRecord` (no token ids)."""
+        import pandas as pd
+
+        columns = {k: v.copy() for k, v in self.arrays().items()}
+        frame = pd.DataFrame(columns)
+        frame.insert(1, "user", self.user)
+        frame["finish_reason"] = self.finish_reason
+        order = [f.name for f in attrs.fields(RequestRecord) if f.name in frame.columns]
+        return frame[order]
+
+
+def _record_arrays(records: Sequence[RequestRecord] | RecordColumns) -> dict[str, np.ndarray]:
+    if isinstance(records, RecordColumns):
+        return records.arrays()
+    nan = math.nan
+    return {
+        "arrival_s": np.array([r.arrival_s for r in records], dtype=np.float64),
+        "first_token_s": np.array(
+            [nan if r.first_token_s is None else r.first_token_s for r in records],
+            dtype=np.float64),
+        "finish_s": np.array([nan if r.finish_s is None else r.finish_s for r in records],
+                             dtype=np.float64),
+        "num_prompt_tokens": np.array([r.num_prompt_tokens for r in records], dtype=np.int64),
+        "num_output_tokens": np.array([r.num_output_tokens for r in records], dtype=np.int64),
+        "num_cached_tokens": np.array([r.num_cached_tokens for r in records], dtype=np.int64),
+    }
 
 
 @attrs.define
@@ -128,38 +206,39 @@ def fairness_gap(
     return gap
 
 
-def _mean(values: list[float]) -> float:
-    return float(np.mean(values)) if values else math.nan
+def _mean(values: np.ndarray) -> float:
+    return float(np.mean(values)) if values.size else math.nan
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
+def _percentile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
 
 
 def summarize(
-    records: Sequence[RequestRecord], trace: StepTrace, users: Sequence[str | None]
+    records: Sequence[RequestRecord] | RecordColumns,
+    trace: StepTrace,
+    users: Sequence[str | None],
 ) -> dict[str, float | int]:
-    """The metrics of one run (module docstring), ``served[user]`` for each of ``users``."""
-    done = [r for r in records if r.finish_s is not None]
-    started = [r for r in records if r.first_token_s is not None]
-    num_output_tokens = sum(r.num_output_tokens for r in records)
-    makespan = (
-        max(r.finish_s for r in done) - min(r.arrival_s for r in records) if done else math.nan
-    )
-    ttft = [r.first_token_s - r.arrival_s for r in started]
-    tpot = [
-        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
-        for r in done
-        if r.first_token_s is not None and r.num_output_tokens > 1
-    ]
-    num_prompt_tokens = sum(r.num_prompt_tokens for r in records)
+    """The metrics of one run (module docstring), ``served[user]`` for each of ``users``.
+    ``records``: a list of :class:`RequestRecord` or a :class:`RecordColumns`."""
+    cols = _record_arrays(records)
+    arrival, first, finish = cols["arrival_s"], cols["first_token_s"], cols["finish_s"]
+    num_out = cols["num_output_tokens"]
+    done = ~np.isnan(finish)
+    started = ~np.isnan(first)
+    num_output_tokens = int(num_out.sum())
+    makespan = float(finish[done].max() - arrival.min()) if done.any() else math.nan
+    ttft = first[started] - arrival[started]
+    timed = done & started & (num_out > 1)
+    tpot = (finish[timed] - first[timed]) / (num_out[timed] - 1)
+    num_prompt_tokens = int(cols["num_prompt_tokens"].sum())
     service = trace.served
     served = {u: 0 for u in users}
     for step in service:
         for user, amount in step.items():
             served[user] = served.get(user, 0) + amount
     row: dict[str, float | int] = {
-        "num_requests": len(done),
+        "num_requests": int(done.sum()),
         "num_output_tokens": num_output_tokens,
         "makespan_s": makespan,
         "output_tokens_per_s": num_output_tokens / makespan if makespan > 0 else math.nan,
@@ -167,9 +246,9 @@ def summarize(
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_mean_s": _mean(tpot),
-        "e2e_mean_s": _mean([r.finish_s - r.arrival_s for r in done]),
+        "e2e_mean_s": _mean(finish[done] - arrival[done]),
         "prefix_hit_rate": (
-            sum(r.num_cached_tokens for r in records) / num_prompt_tokens
+            int(cols["num_cached_tokens"].sum()) / num_prompt_tokens
             if num_prompt_tokens else math.nan
         ),
         "num_preemptions": trace.num_preemptions,

@@ -23,7 +23,13 @@ from llmlab.engine.engine import Engine
 from llmlab.engine.executor import VirtualClock
 from llmlab.sim.cost_model import CostModel
 from llmlab.sim.executor import SimulatedExecutor
-from llmlab.sim.roofline import Hardware, ModelShape, RooflineCostModel, hardware
+from llmlab.sim.roofline import (
+    THIS_MACHINE,
+    Hardware,
+    ModelShape,
+    RooflineCostModel,
+    hardware,
+)
 
 COMPONENT_KEYS = ("scheduling_policy", "eviction_policy")
 SIM_KEYS = ("cost_model", "hardware", "clock")
@@ -82,8 +88,9 @@ def sim_engine(
         raise ValueError(
             f"max_model_len={cfg.max_model_len} exceeds the model's limit of {max_len} positions"
         )
-    hw = hardware_of(hardware)
-    on_gpu = hw.name != "this_machine" and hw.memory_bytes is not None
+    # "this_machine" is measured (about a second): only when something reads it.
+    hw = None if hardware == THIS_MACHINE else hardware_of(hardware)
+    on_gpu = hw is not None and hw.memory_bytes is not None
     cfg = resolve_step_settings(cfg, "cuda" if on_gpu else "cpu", max_model_len)
     dtype_bytes = _DTYPE_BYTES.get(str(cfg.dtype).removeprefix("torch."), 2 if on_gpu else 4)
     policy = _component("scheduling_policy", scheduling_policy)
@@ -97,7 +104,8 @@ def sim_engine(
                 f"cost_model={cost_model!r}; give a CostModel instance (e.g. "
                 "ProfiledCostModel.fit(recording)) or 'roofline'"
             )
-        cost_model = RooflineCostModel(shape, hw, dtype_bytes=dtype_bytes)
+        cost_model = RooflineCostModel(shape, hw or hardware_of(hardware),
+                                       dtype_bytes=dtype_bytes)
     acceptance = None
     length = None
     if cfg.speculative_config is not None:
@@ -151,7 +159,7 @@ def _model(model: Any) -> tuple[ModelShape, str, int | None]:
     return ModelShape.from_hf_config(hf_config), str(model), max_model_len_from_config(hf_config)
 
 
-def _num_blocks(cfg, shape: ModelShape, max_model_len: int, hw: Hardware, on_gpu: bool,
+def _num_blocks(cfg, shape: ModelShape, max_model_len: int, hw: Hardware | None, on_gpu: bool,
                 dtype_bytes: int) -> int:
     """KV blocks as the real engine sizes them: the override, the byte budget, else on a
     GPU preset ``gpu_memory_utilization`` of its memory less the weights, else the CPU

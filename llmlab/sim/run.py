@@ -35,10 +35,10 @@ from llmlab.experiments.comparison import (
     _add,
     _policy_names,
     _ProgressBar,
-    _requests_frame,
     check_arrival,
+    frozen_heap,
 )
-from llmlab.experiments.metrics import StepTrace, summarize
+from llmlab.experiments.metrics import RecordColumns, StepTrace, summarize
 from llmlab.experiments.workloads import WorkloadRequest
 from llmlab.routing.policy import check_choice
 from llmlab.routing.replica import EngineReplica
@@ -146,28 +146,28 @@ def simulate(
     bar = _ProgressBar(total, name or "simulate", enabled=progress)
     collectors = [
         RunCollector(engine.clock(), keep_events=keep_events, keep_tokens=False,
-                     on_finish=bar.finished)
+                     on_finish=bar.finished, compact=True)
         for engine in engines
     ]
     for engine, collector in zip(engines, collectors, strict=True):
         engine.subscribe(collector)
     on_finish = getattr(router, "on_finish", None)
-    home: dict[str, int] = {}
     started = time.perf_counter()
     num_steps = 0
     try:
-        num_steps = _run(workload, router, engines, views, collectors, home, on_finish)
+        with frozen_heap():
+            num_steps = _run(workload, router, engines, views, collectors, on_finish)
     finally:
         bar.close()
         for engine, collector in zip(engines, collectors, strict=True):
             engine.unsubscribe(collector)
             _abort_quietly(engine, collector.unfinished())
     wall_s = time.perf_counter() - started
-    return _result(name or getattr(workload, "name", "workload"), engines, collectors, home,
+    return _result(name or getattr(workload, "name", "workload"), engines, collectors,
                    num_steps, wall_s)
 
 
-def _run(workload, router, engines, views, collectors, home, on_finish) -> int:
+def _run(workload, router, engines, views, collectors, on_finish) -> int:
     """The discrete-event loop; returns the number of steps taken."""
     arrivals = iter(workload)
     pending = next(arrivals, None)
@@ -193,7 +193,6 @@ def _run(workload, router, engines, views, collectors, home, on_finish) -> int:
             collectors[chosen].add(request_id, pending)
             views[chosen].routed(request_id, pending.num_prompt_tokens, pending.max_tokens)
             _add(engine, pending, request_id, 0.0)
-            home[request_id] = chosen
             num_added += 1
             pending = next(arrivals, None)
         elif busy >= 0:
@@ -222,24 +221,23 @@ def _router(router: Any) -> Any:
     return router
 
 
-def _result(name, engines, collectors, home, num_steps, wall_s) -> SimulationResult:
+def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
     import math
 
     import pandas as pd
 
-    users = list(dict.fromkeys(r.user for c in collectors for r in c.records.values()))
-    rows, frames = {}, []
-    gaps = []
+    users = list(dict.fromkeys(u for c in collectors for u in c.columns.user))
+    rows, frames, gaps = {}, [], []
     for i, (engine, collector) in enumerate(zip(engines, collectors, strict=True)):
-        records = list(collector.records.values())
-        row = {**_policy_names(engine), **summarize(records, collector.trace, users)}
+        row = {**_policy_names(engine), **summarize(collector.columns, collector.trace, users)}
         rows[f"replica {i}"] = row
         gaps.append(row["fairness_gap_tokens"])
-        if records:
-            frame = _requests_frame(f"replica {i}", records)
-            frame.insert(1, "replica", i)
-            frames.append(frame)
-    everyone = [r for c in collectors for r in c.records.values()]
+        frame = collector.columns.to_pandas()
+        frame.insert(1, "replica", i)
+        frames.append(frame)
+    everyone = RecordColumns()
+    for collector in collectors:
+        everyone.extend(collector.columns)
     merged = StepTrace(keep_events=False)
     merged.num_preemptions = sum(c.trace.num_preemptions for c in collectors)
     merged.served = [s for c in collectors for s in c.trace.served]
@@ -249,10 +247,9 @@ def _result(name, engines, collectors, home, num_steps, wall_s) -> SimulationRes
     overall["fairness_gap_tokens"] = max(known) if known else math.nan
     table = pd.DataFrame.from_dict({**rows, "overall": overall}, orient="index")
     table.index.name = "replica"
-    requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if len(requests):
-        requests = requests.drop(columns=["label", "output_token_ids"])
-        requests["request_id"] = requests["request_id"].astype(int)
-        requests = requests.sort_values("request_id", ignore_index=True)
+    requests = pd.concat(frames, ignore_index=True)
+    requests = requests.sort_values("request_id", ignore_index=True)
+    requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
+    requests["e2e_s"] = requests["finish_s"] - requests["arrival_s"]
     events = tuple(tuple(c.trace.events) for c in collectors)
     return SimulationResult(name, table, requests, events, num_steps, wall_s)
