@@ -25,15 +25,15 @@ import attrs
 # The model arithmetic, the rate curve and the rate measurements live in the library (the
 # simulator's roofline cost model prices steps with them); re-exported here under their old
 # names (a redundant alias marks a re-export).
-from llmlab.sim.roofline import ModelShape as ModelShape
-from llmlab.sim.roofline import RateCurve as RateCurve
-from llmlab.sim.roofline import measure_cpu_rate_curve as measure_cpu_rate_curve
-from llmlab.sim.roofline import measure_cpu_read_bytes_per_s as measure_cpu_read_bytes_per_s
-from llmlab.sim.roofline import measure_cuda_copy_bytes_per_s as measure_cuda_copy_bytes_per_s
-from llmlab.sim.roofline import (
+from llmlab.sim.measure import measure_cpu_rate_curve as measure_cpu_rate_curve
+from llmlab.sim.measure import measure_cpu_read_bytes_per_s as measure_cpu_read_bytes_per_s
+from llmlab.sim.measure import measure_cuda_copy_bytes_per_s as measure_cuda_copy_bytes_per_s
+from llmlab.sim.measure import (
     measure_cuda_matmul_flops_per_s as measure_cuda_matmul_flops_per_s,
 )
-from llmlab.sim.roofline import measure_matmul_flops_per_s as measure_matmul_flops_per_s
+from llmlab.sim.measure import measure_matmul_flops_per_s as measure_matmul_flops_per_s
+from llmlab.sim.roofline import ModelShape as ModelShape
+from llmlab.sim.roofline import RateCurve as RateCurve
 
 # The default benchmark model: Llama-shaped, small enough for a CPU, big enough that matmuls
 # (not Python) should dominate a good engine's time.

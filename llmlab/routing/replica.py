@@ -94,12 +94,13 @@ class EngineReplica:
             return 0
         bs = kv.block_size
         index = kv.index
-        parent = ROOT_HASH
         num_blocks = (len(token_ids) - 1) // bs  # the last token is always computed
+        hashes = _block_hashes(token_ids, bs)
         for i in range(num_blocks):
-            block = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = chain_hash(parent, block)
-            if index.get(parent, block) is None:
+            if i == len(hashes):
+                parent = hashes[-1] if hashes else ROOT_HASH
+                hashes.append(chain_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            if index.get(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs])) is None:
                 return i * bs
         return num_blocks * bs
 
@@ -108,3 +109,14 @@ class EngineReplica:
             f"EngineReplica(index={self.index}, waiting={self.num_waiting}, "
             f"running={self.num_running}, outstanding_tokens={self.outstanding_tokens})"
         )
+
+
+# The block hashes of the prompt being routed, shared by every replica's probe (they are
+# asked in turn about the same prompt) and grown only as far as some replica matches.
+_memo: list = [None, 0, []]
+
+
+def _block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    if _memo[0] is not token_ids or _memo[1] != block_size:
+        _memo[:] = [token_ids, block_size, []]
+    return _memo[2]
