@@ -6,7 +6,8 @@ name                  sends a request to
 ``round_robin``       the next replica in turn
 ``least_loaded``      the replica with the fewest outstanding tokens (equals take turns)
 ``prefix_aware``      the replica holding (or last sent) the longest prefix of its prompt,
-                      among replicas under a load cap; else the least loaded
+                      if it covers enough of it, among replicas under a load cap; else the
+                      least loaded
 ``session_affinity``  the replica its session (else its user) went to first; new ones to the
                       least loaded
 ====================  =======================================================================
@@ -100,17 +101,23 @@ class PrefixAware:
     "Preble: Efficient Distributed Prompt Scheduling for LLM Serving", ICLR 2025).
 
     Load cap: a replica is a candidate when its ``outstanding_tokens`` is at most
-    ``load_cap * mean(outstanding_tokens) + len(prompt) + max_tokens``. The request's own
-    size is slack so that on an idle cluster the first replica to get work is not already
-    "over" the cap; the least loaded replica is always under it.
+    ``load_cap * lightest + (load_cap - 1) * mean + len(prompt) + max_tokens`` (lightest
+    and mean over the replicas' outstanding tokens). Measured from the least loaded
+    replica, so an idle replica draws work as soon as the others carry more than a share
+    of the mean above it (against the mean alone, an idle replica drags the mean down
+    until the busy ones never look over it, and it stays idle); the request's own size is
+    slack, so on an idle cluster a replica holding one queued request that shares the
+    prompt's prefix still gets the next. The least loaded replica is always a candidate.
 
     Score of a candidate: the longer of ``cached_prefix_tokens(prompt)`` (what its cache
     holds now) and the prefix the router itself last sent there. The router's memory maps
     chained hashes of the prompt's ``chunk_tokens``-token chunks to the replica they were
     last sent to (LRU, at most ``max_prefixes`` entries), so requests that share a prefix
     and arrive before the first one's KV is cached still go together. A score below
-    ``min_prefix_tokens`` counts as 0. The highest score wins; equal scores (all zero
-    included) go to the least loaded of them, equals taking turns.
+    ``min_prefix_tokens``, or below ``match_ratio`` of the prompt, counts as 0 (as SGLang's
+    cache threshold does): a short prefix that most prompts share (a brief system prompt)
+    then does not pull every new conversation to the replicas that served one. The highest score wins; equal scores (all zero included) go to the least loaded
+    of them, equals taking turns.
     """
 
     name: str = "prefix_aware"
@@ -122,6 +129,8 @@ class PrefixAware:
         default=1, converter=functools.partial(as_int, "min_prefix_tokens", min=0))
     max_prefixes: int = attrs.field(
         default=100_000, converter=functools.partial(as_int, "max_prefixes", min=1))
+    match_ratio: float = attrs.field(
+        default=0.5, converter=functools.partial(as_real, "match_ratio", min=0.0, max=1.0))
     # chained chunk hash -> the replica that prefix was last sent to, oldest first
     _sent: OrderedDict[int, int] = attrs.field(factory=OrderedDict, init=False, repr=False)
     _next: int = attrs.field(default=0, init=False, repr=False)
@@ -129,7 +138,9 @@ class PrefixAware:
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
         prompt = request.prompt_token_ids
         loads = [replica.outstanding_tokens for replica in replicas]
-        cap = self.load_cap * sum(loads) / len(loads) + len(prompt) + (request.max_tokens or 0)
+        lightest, mean = min(loads), sum(loads) / len(loads)
+        cap = (self.load_cap * lightest + (self.load_cap - 1) * mean + len(prompt)
+               + (request.max_tokens or 0))
         candidates = [i for i, load in enumerate(loads) if load <= cap] or range(len(loads))
         hashes = _chunk_hashes(prompt, self.chunk_tokens)
         remembered = self._remembered(hashes, len(replicas))
@@ -138,7 +149,7 @@ class PrefixAware:
             for i in candidates
         }
         best = max(scores.values())
-        if best >= max(self.min_prefix_tokens, 1):
+        if best >= max(self.min_prefix_tokens, 1, self.match_ratio * len(prompt)):
             candidates = [i for i in candidates if scores[i] == best]
         choice = _least_loaded(loads, candidates, self._next)
         self._next = choice + 1

@@ -132,6 +132,11 @@ def simulate(
     from llmlab.sim.engine import sim_engine
 
     replicas = as_int("replicas", replicas, min=1)
+    if "clock" in engine_kwargs:
+        raise ValueError(
+            "simulate keeps one virtual clock per replica, starting at 0; it takes no clock "
+            "(give one to sim_engine to drive a single engine yourself)"
+        )
     router = _router(router)
     engines = []
     for _ in range(replicas):

@@ -285,8 +285,38 @@ def test_prefix_aware_ignores_matches_shorter_than_min_prefix_tokens():
     prompt = list(range(64))
     views = replicas(0, 0, 0, 0)
     views[3].cache(prompt[:8])
-    assert route(PrefixAware(min_prefix_tokens=16), request(prompt), views) == 0
+    assert route(PrefixAware(min_prefix_tokens=16, match_ratio=0), request(prompt), views) == 0
+    assert route(PrefixAware(match_ratio=0), request(prompt), views) == 3
+
+
+def test_prefix_aware_sends_work_to_an_idle_replica_once_the_others_carry_more():
+    """Every busy replica holds the shared system prompt; the idle one holds nothing. The
+    cap is measured from the least loaded replica, so the idle one gets the request (a
+    cap measured from the mean alone would keep it idle for good)."""
+    prompt = list(range(64))
+    views = replicas(600, 600, 600, 0)
+    for view in views[:3]:
+        view.cache(prompt[:48])
     assert route(PrefixAware(), request(prompt), views) == 3
+    views = replicas(60, 60, 60, 0)  # lightly loaded: the cached prefix still wins
+    for view in views[:3]:
+        view.cache(prompt[:48])
+    assert route(PrefixAware(), request(prompt), views) in (0, 1, 2)
+
+
+def test_prefix_aware_ignores_a_match_covering_too_little_of_the_prompt():
+    """A prefix every prompt shares (a system prompt) does not pull new conversations to
+    the replicas that already served one: the idle replica gets them."""
+    prompt = list(range(64))
+    views = replicas(40, 40, 0)
+    views[0].cache(prompt[:24])  # 24 of 64 tokens: under the default match_ratio of 0.5
+    views[1].cache(prompt[:24])
+    assert route(PrefixAware(), request(prompt), views) == 2
+    assert route(PrefixAware(match_ratio=0.25), request(prompt), views) == 0
+    views[0].cache(prompt[:40])  # 40 of 64: enough
+    assert route(PrefixAware(), request(prompt), views) == 0
+    with pytest.raises(ValueError, match="match_ratio"):
+        PrefixAware(match_ratio=1.5)
 
 
 # -- session_affinity -------------------------------------------------------------------

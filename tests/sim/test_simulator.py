@@ -338,6 +338,7 @@ def test_a_workload_out_of_arrival_order_is_refused(tiny_llama):
     ({"hardware": "tpu9"}, "h100"),
     ({"block_sizes": 4}, "block_sizes"),
     ({"cost_model": "vidur"}, "vidur"),
+    ({"clock": VirtualClock(100.0)}, "one virtual clock per replica"),
 ])
 def test_bad_simulation_settings_are_refused_naming_them(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -362,3 +363,16 @@ def test_compare_in_simulation_has_the_real_tables_columns(tiny_llama):
     with pytest.raises(ValueError, match="attention_backend"):
         compare(workload, {"x": {"attention_backend": "torch"}}, model=tiny_llama,
                 progress=False, executor="sim")
+
+
+def test_the_profiled_fit_reads_a_recording_file_as_it_reads_live_events(tiny_llama, tmp_path):
+    from llmlab.engine.recording import load
+
+    engine = sim_engine(tiny_llama, cost_model=Fixed(), **ENGINE)
+    path = tmp_path / "run.jsonl.gz"
+    events = []
+    engine.subscribe(events.append)
+    with engine.record(path):
+        run_workload(engine, chat(tiny_llama))
+    recording = load(path)
+    assert ProfiledCostModel.fit(recording) == ProfiledCostModel.fit(events)
