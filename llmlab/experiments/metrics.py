@@ -128,31 +128,79 @@ def _record_arrays(records: Sequence[RequestRecord] | RecordColumns) -> dict[str
     }
 
 
+class FairnessMeter:
+    """:func:`fairness_gap`, computed step by step: memory per pair of users, not per step.
+
+    For each pair, the running difference of service over the current run of consecutive
+    steps in which both are backlogged, and its highest and lowest value in that run
+    (counting the 0 before it); the gap is the largest spread seen. Each step costs
+    O(pairs of backlogged users), so a long simulation keeps no per-step history.
+    """
+
+    def __init__(self) -> None:
+        self.users: dict[Hashable, int] = {}  # user -> order of first backlog
+        self._step = 0
+        self._gap = 0.0
+        # (f, g) -> [last step both were backlogged, running difference, high, low]
+        self._pairs: dict[tuple[Hashable, Hashable], list] = {}
+
+    def step(self, served: Mapping[Hashable, float], backlogged: Collection[Hashable]) -> None:
+        """One step: who was served how much, and who was backlogged as it began."""
+        users = self.users
+        for user in backlogged:
+            users.setdefault(user, len(users))
+        if len(backlogged) > 1:
+            order = sorted(backlogged, key=users.__getitem__)
+            for i, f in enumerate(order):
+                for g in order[i + 1:]:
+                    state = self._pairs.get((f, g))
+                    if state is None or state[0] != self._step - 1:  # a new run starts
+                        state = self._pairs[(f, g)] = [self._step, 0.0, 0.0, 0.0]
+                    state[0] = self._step
+                    state[1] += served.get(f, 0) - served.get(g, 0)
+                    state[2] = max(state[2], state[1])
+                    state[3] = min(state[3], state[1])
+                    self._gap = max(self._gap, state[2] - state[3])
+        self._step += 1
+
+    def value(self) -> float:
+        """The gap so far (NaN with fewer than two users ever backlogged)."""
+        return self._gap if len(self.users) > 1 else math.nan
+
+
 @attrs.define
 class StepTrace:
-    """What a run's steps did, for the metrics: per step, the tokens computed per user and
-    the users that were backlogged (had an arrived, unfinished request) when it began;
-    the preemptions; and, unless a long run drops them, the ``StepEvent``s themselves."""
+    """What a run's steps did, for the metrics: tokens computed per user, the fairness gap
+    (:class:`FairnessMeter`), the preemptions; and, unless a long run drops them
+    (``keep_events=False``), the ``StepEvent``s with, per step, the tokens computed per
+    user and the users that were backlogged (had an arrived, unfinished request) when it
+    began."""
 
     events: list[StepEvent] = attrs.field(factory=list)
     backlogged: list[frozenset] = attrs.field(factory=list)
     served: list[dict[str | None, int]] = attrs.field(factory=list)
     num_preemptions: int = 0
     keep_events: bool = True
+    served_total: dict[str | None, int] = attrs.field(factory=dict)
+    fairness: FairnessMeter = attrs.field(factory=FairnessMeter)
 
     def append(self, event: StepEvent, backlogged: frozenset) -> None:
         """Note one step's event (``backlogged``: the users backlogged as it began)."""
-        if self.keep_events:
-            self.events.append(event)
-        self.backlogged.append(backlogged)
         served: dict[str | None, int] = {}
         for (_, num_new), user in zip(event.scheduled, event.scheduled_users, strict=True):
             served[user] = served.get(user, 0) + num_new
-        self.served.append(served)
+        total = self.served_total
+        for user, amount in served.items():
+            total[user] = total.get(user, 0) + amount
+        self.fairness.step(served, backlogged)
         self.num_preemptions += len(event.preempted)
+        if self.keep_events:
+            self.events.append(event)
+            self.backlogged.append(backlogged)
+            self.served.append(served)
 
     def service(self) -> list[dict[str | None, int]]:
-        """Tokens computed per user in each step."""
+        """Tokens computed per user in each step (kept with the events)."""
         return self.served
 
 
@@ -232,11 +280,9 @@ def summarize(
     timed = done & started & (num_out > 1)
     tpot = (finish[timed] - first[timed]) / (num_out[timed] - 1)
     num_prompt_tokens = int(cols["num_prompt_tokens"].sum())
-    service = trace.served
     served = {u: 0 for u in users}
-    for step in service:
-        for user, amount in step.items():
-            served[user] = served.get(user, 0) + amount
+    for user, amount in trace.served_total.items():
+        served[user] = served.get(user, 0) + amount
     row: dict[str, float | int] = {
         "num_requests": int(done.sum()),
         "num_output_tokens": num_output_tokens,
@@ -252,7 +298,7 @@ def summarize(
             if num_prompt_tokens else math.nan
         ),
         "num_preemptions": trace.num_preemptions,
-        "fairness_gap_tokens": fairness_gap(service, trace.backlogged),
+        "fairness_gap_tokens": trace.fairness.value(),
     }
     for user, amount in served.items():
         row[f"served[{user}]"] = amount

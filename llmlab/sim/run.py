@@ -245,8 +245,9 @@ def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
         everyone.extend(collector.columns)
     merged = StepTrace(keep_events=False)
     merged.num_preemptions = sum(c.trace.num_preemptions for c in collectors)
-    merged.served = [s for c in collectors for s in c.trace.served]
-    merged.backlogged = [frozenset()] * len(merged.served)
+    for collector in collectors:
+        for user, amount in collector.trace.served_total.items():
+            merged.served_total[user] = merged.served_total.get(user, 0) + amount
     overall = {**_policy_names(engines[0]), **summarize(everyone, merged, users)}
     known = [g for g in gaps if not math.isnan(g)]
     overall["fairness_gap_tokens"] = max(known) if known else math.nan

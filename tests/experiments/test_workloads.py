@@ -221,3 +221,21 @@ def test_fairness_gap_is_zero_when_users_never_overlap_and_nan_for_one_user():
     assert math.isnan(fairness_gap([{"a": 5}], [{"a"}]))
     with pytest.raises(ValueError, match="aligned"):
         fairness_gap([{"a": 1}], [])
+
+
+def test_the_streaming_fairness_meter_equals_fairness_gap_on_random_histories():
+    """A long simulation keeps no per-step history: the meter must give the same gap."""
+    from llmlab.experiments.metrics import FairnessMeter
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        users = [f"u{i}" for i in range(int(rng.integers(1, 5)))] + [None]
+        service, backlogged = [], []
+        for _ in range(int(rng.integers(0, 40))):
+            backlogged.append(frozenset(u for u in users if rng.random() < 0.6))
+            service.append({u: int(rng.integers(0, 20)) for u in users if rng.random() < 0.7})
+        meter = FairnessMeter()
+        for served, backlog in zip(service, backlogged, strict=True):
+            meter.step(served, backlog)
+        expected = fairness_gap(service, backlogged)
+        assert meter.value() == expected or (math.isnan(expected) and math.isnan(meter.value()))
