@@ -43,6 +43,7 @@ class Lifecycle:
         finished = []
         scheduled = self._scheduled
         cache_computed_blocks = self.kv.cache_computed_blocks
+        block_size = self.kv.block_size
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
         failures = output.failed
         drafted = output.num_drafted
@@ -70,8 +71,8 @@ class Lifecycle:
                 prompt_end = min(end, entry.num_prompt_tokens)
                 new_prompt = max(0, prompt_end - max(start, request.num_prompt_computed))
                 request.num_prompt_computed = max(request.num_prompt_computed, prompt_end)
-            if not speculated:
-                cache_computed_blocks(request)
+            if not speculated and end // block_size > start // block_size:
+                cache_computed_blocks(request)  # only when a block filled up this step
             if prompt_logprobs is not None and prompt_logprobs[i]:
                 request.add_prompt_logprobs(output.prompt_logprobs_start[i], prompt_logprobs[i])
             if entry.forks and request.forks:

@@ -21,6 +21,7 @@ dropped unless ``keep_events``.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Iterable, Sized
 from typing import Any, NamedTuple
@@ -59,7 +60,7 @@ class _Route(NamedTuple):
     session: str | None
 
 
-@attrs.frozen(eq=False, repr=False)
+@attrs.frozen(eq=False, repr=False, slots=False)
 class SimulationResult:
     """What :func:`simulate` measured.
 
@@ -68,9 +69,8 @@ class SimulationResult:
         table: one row per replica (``"replica 0"``, ...) and ``"overall"``: the columns of
             :func:`~llmlab.experiments.compare`'s table (the overall fairness gap is the
             largest of the replicas').
-        requests: one row per request: the fields of
-            :class:`~llmlab.experiments.metrics.RequestRecord` plus ``replica``, ``ttft_s``
-            and ``e2e_s``.
+        records: each replica's finished requests, as
+            :class:`~llmlab.experiments.metrics.RecordColumns` (a few numbers each).
         events: each replica's ``StepEvent``s (empty unless ``keep_events``).
         num_steps: engine steps simulated, all replicas together.
         wall_s: real seconds the simulation took.
@@ -78,10 +78,29 @@ class SimulationResult:
 
     name: str
     table: Any
-    requests: Any
+    records: tuple[RecordColumns, ...]
     events: tuple[tuple[StepEvent, ...], ...]
     num_steps: int
     wall_s: float
+
+    @functools.cached_property
+    def requests(self) -> Any:
+        """One row per request, in arrival order: the fields of
+        :class:`~llmlab.experiments.metrics.RequestRecord` (no token ids) plus ``replica``,
+        ``ttft_s`` and ``e2e_s``. Built when first read (a million-request run need not
+        hold it)."""
+        import pandas as pd
+
+        frames = []
+        for i, columns in enumerate(self.records):
+            frame = columns.to_pandas()
+            frame.insert(1, "replica", i)
+            frames.append(frame)
+        requests = pd.concat(frames, ignore_index=True)
+        requests = requests.sort_values("request_id", ignore_index=True)
+        requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
+        requests["e2e_s"] = requests["finish_s"] - requests["arrival_s"]
+        return requests
 
     @property
     def overall(self) -> Any:
@@ -90,7 +109,7 @@ class SimulationResult:
 
     def __repr__(self) -> str:
         return (
-            f"SimulationResult({self.name!r}: {len(self.requests)} requests, "
+            f"SimulationResult({self.name!r}: {sum(map(len, self.records))} requests, "
             f"{self.num_steps} steps in {self.wall_s:.2f} s)\n{self.table.to_string()}"
         )
 
@@ -232,14 +251,11 @@ def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
     import pandas as pd
 
     users = list(dict.fromkeys(u for c in collectors for u in c.columns.user))
-    rows, frames, gaps = {}, [], []
+    rows, gaps = {}, []
     for i, (engine, collector) in enumerate(zip(engines, collectors, strict=True)):
         row = {**_policy_names(engine), **summarize(collector.columns, collector.trace, users)}
         rows[f"replica {i}"] = row
         gaps.append(row["fairness_gap_tokens"])
-        frame = collector.columns.to_pandas()
-        frame.insert(1, "replica", i)
-        frames.append(frame)
     everyone = RecordColumns()
     for collector in collectors:
         everyone.extend(collector.columns)
@@ -249,13 +265,11 @@ def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
         for user, amount in collector.trace.served_total.items():
             merged.served_total[user] = merged.served_total.get(user, 0) + amount
     overall = {**_policy_names(engines[0]), **summarize(everyone, merged, users)}
+    del everyone
     known = [g for g in gaps if not math.isnan(g)]
     overall["fairness_gap_tokens"] = max(known) if known else math.nan
     table = pd.DataFrame.from_dict({**rows, "overall": overall}, orient="index")
     table.index.name = "replica"
-    requests = pd.concat(frames, ignore_index=True)
-    requests = requests.sort_values("request_id", ignore_index=True)
-    requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
-    requests["e2e_s"] = requests["finish_s"] - requests["arrival_s"]
     events = tuple(tuple(c.trace.events) for c in collectors)
-    return SimulationResult(name, table, requests, events, num_steps, wall_s)
+    records = tuple(c.columns for c in collectors)
+    return SimulationResult(name, table, records, events, num_steps, wall_s)
