@@ -23,23 +23,24 @@ size of a sweep runs in a fresh process too. ``profile``: cProfile of the 10^4 r
 functions per simulated step.
 
 ``accuracy``: the built-in model (float32, 16 sequences, blocks of 16, 512 blocks, seed 0,
-``--threads`` torch threads, default 1: this 2-core machine is shared). The first engine is
-warmed on a calibration-shaped workload of another seed (the same prompts would hit the
-prefix cache) and records the calibration workload (``mixed_long_short``, 120 requests at
-30/s). Then the calibration workload and two others (``few_shot``: 100 requests at 25/s on 3
-long templates; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s) run ``--repeats`` times
-on the real engine, each on a fresh engine (so the prefix cache starts empty, as the
-simulation's does) after a short warm-up of 16 calibration-shaped requests, workloads
-interleaved so load drift hits all alike. ``ProfiledCostModel`` is fitted on every recording
-of the calibration workload (one run's step times move by tens of percent with this
-machine's load; the fit on the first recording alone is shown as "1 run"). Each workload is
-simulated once (deterministic) with the profiled model and with the ``roofline`` model on
-``this_machine``. Reported per workload and metric (``ACCURACY_METRICS``): the real mean,
-its spread over the repeats ((max - min) / mean: the noise floor), each model's value and
-signed error; the profiled model's error on the real runs' own step shapes (its error
-before queueing amplifies it); and, for every real run, a replay (``ReplayCostModel``: each
-simulated step ends when the real one did) whose decisions are compared with the real ones:
-per-request output tokens, admission order, preemptions, prefix-hit blocks, steps.
+``--threads`` torch threads, default 1: this 2-core machine is shared). One real engine runs
+everything, warmed up first on every workload shape with other prompts (a fresh engine's
+first steps meet each shape for the first time and run several times slower). It records
+the calibration workload (``mixed_long_short``, 120 requests at 30/s), then ``--repeats``
+times runs the calibration workload and two others (``few_shot``: 100 requests at 25/s on 3
+long templates; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s), each repeat drawn with
+its own seed (so no run finds an earlier one's prompts in the prefix cache), workloads
+interleaved so load drift hits all alike. ``ProfiledCostModel`` is fitted on every
+recording of the calibration workload (the fit on the first recording alone is shown as
+"1 run"). Each drawn workload is simulated once (deterministic) with the profiled model and
+with the ``roofline`` model on ``this_machine``; real and simulated means over the repeats
+are compared. Reported per workload and metric (``ACCURACY_METRICS``): the real mean, its
+spread over the repeats ((max - min) / mean: the noise floor, which includes the different
+draws), each model's value and signed error; the profiled model's error on the real runs'
+own step shapes (its error before queueing amplifies it); and, for every real run, a replay
+(``ReplayCostModel``: each simulated step ends when the real one did) whose decisions are
+compared with the real ones: per-request output tokens, admission order, preemptions,
+prefix-hit blocks, steps.
 
     python -m benchmarks.simulator                      # speed, sweeps and accuracy
     python -m benchmarks.simulator speed --full         # adds 10^6 requests
@@ -331,15 +332,15 @@ def calibration_workload(num_requests: int = 120, seed: int = 1,
 
 
 def target_workloads(num_requests: int = 100, num_conversations: int = 16,
-                     num_turns: int = 5) -> dict[str, Workload]:
+                     num_turns: int = 5, seed: int = 0) -> dict[str, Workload]:
     return {
         "few_shot": few_shot(
             num_requests, vocab_size=VOCAB_SIZE, num_templates=3, template_len=(150, 300),
-            question_len=(8, 24), output_len=(16, 64), rate=25.0, seed=2, low=LOW,
+            question_len=(8, 24), output_len=(16, 64), rate=25.0, seed=2 + seed, low=LOW,
         ),
         "shared_prefix_chat": shared_prefix_chat(
             num_conversations, num_turns, vocab_size=VOCAB_SIZE, system_prompt_len=96,
-            user_turn_len=(8, 32), output_len=(8, 40), rate=40.0, seed=3, low=LOW,
+            user_turn_len=(8, 32), output_len=(8, 40), rate=40.0, seed=3 + seed, low=LOW,
         ),
     }
 
@@ -417,55 +418,78 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
              warmup: Workload | None = None, short_warmup: Workload | None = None,
              settings: Mapping[str, Any] = ACCURACY_SETTINGS, verbose: bool = True) -> dict:
     """Calibrate ``profiled`` on the calibration workload's recorded runs, predict the
-    others; the fit on the first recording alone, and the roofline, alongside."""
+    others; the fit on the first recording alone, and the roofline, alongside.
+
+    Every real run is on one engine, warmed up first on every workload shape (a fresh
+    engine's first steps meet each shape for the first time and run several times slower,
+    which no steady engine does). Repeat ``r`` draws every workload with its own seed, so
+    no run finds an earlier run's prompts in the prefix cache; each (workload, seed) is
+    simulated once, and real and simulated means over the repeats are compared. Given
+    workloads (tests) are used as they are for every repeat."""
     from llmlab.sim import ProfiledCostModel
 
-    calibration = calibration if calibration is not None else calibration_workload()
-    targets = dict(targets) if targets is not None else target_workloads()
-    warmup = warmup if warmup is not None else calibration_workload(
-        len(calibration), seed=101)
+    def draw(repeat: int) -> dict[str, Workload]:
+        if calibration is not None or targets is not None:
+            return {"calibration": calibration or calibration_workload(),
+                    **(targets if targets is not None else target_workloads())}
+        seed = 100 * (repeat + 1)
+        return {"calibration": calibration_workload(seed=1 + seed),
+                **target_workloads(seed=seed)}
+
+    warmup = warmup if warmup is not None else calibration_workload(120, seed=7)
     short_warmup = short_warmup if short_warmup is not None else calibration_workload(
         16, seed=102, rate=None)
-    workloads = {"calibration": calibration, **targets}
+    drawn = [draw(r) for r in range(repeats + 1)]  # the first: the recorded calibration
 
     engine = _real_engine(settings, threads)
     run_workload(engine, warmup, keep_events=False)
-    recorded = _real_run(engine, calibration)
+    run_workload(engine, short_warmup, keep_events=False)
+    for workload in target_workloads(seed=1000).values():  # every shape, other prompts
+        run_workload(engine, workload, keep_events=False)
+    recorded = _real_run(engine, drawn[0]["calibration"])
+    names = list(drawn[0])
+    # Given workloads repeat their prompts: each run then needs an empty prefix cache, so
+    # a fresh engine (after a short warm-up); drawn ones differ and share the warm engine.
+    fresh = calibration is not None or targets is not None
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(repeats):  # interleaved: load drift hits every workload alike
+        for name in names:
+            if fresh:
+                engine = _real_engine(settings, threads)
+                run_workload(engine, short_warmup, keep_events=False)
+            runs[name].append(_real_run(engine, drawn[r + 1][name]))
     del engine
-    runs: dict[str, list[dict]] = {name: [] for name in workloads}
-    for _ in range(repeats):  # interleaved: load drift hits every workload alike
-        for name, workload in workloads.items():
-            engine = _real_engine(settings, threads)
-            run_workload(engine, short_warmup, keep_events=False)
-            runs[name].append(_real_run(engine, workload))
-            del engine
-    # This machine's load moves step times by tens of percent from one run to the next, so
-    # the main fit pools every recording of the calibration workload (as the real figures
-    # are means over runs); the fit on the first recording alone shows what one run gives.
+    # This machine's load moves step times from one run to the next, so the main fit
+    # pools every recording of the calibration workload (as the real figures are means
+    # over runs); the fit on the first recording alone shows what one run gives.
     one = ProfiledCostModel.fit(recorded["events"])
     pooled = ProfiledCostModel.fit(
         [e for r in [recorded, *runs["calibration"]] for e in r["events"]])
     out: dict[str, Any] = {"settings": dict(settings), "threads": threads, "repeats": repeats,
                            "profiled": pooled.describe(), "profiled_one_run": one.describe(),
                            "profiled_steps": pooled.num_steps, "workloads": {}}
-    for name, workload in workloads.items():
+    models = {"profiled": {"cost_model": pooled}, "profiled_one_run": {"cost_model": one},
+              "roofline": {"cost_model": "roofline", "hardware": "this_machine"}}
+    for name in names:
         values = {m: [r["metrics"][m] for r in runs[name]] for m in ACCURACY_METRICS}
         real = {m: float(np.mean(v)) for m, v in values.items()}
-        models = {"profiled": {"cost_model": pooled}, "profiled_one_run": {"cost_model": one},
-                  "roofline": {"cost_model": "roofline", "hardware": "this_machine"}}
         row = {
-            "num_requests": len(workload),
+            "num_requests": len(drawn[1][name]),
             "real_runs": values,
             "real_mean": real,
             "real_spread": {m: (max(v) - min(v)) / real[m] if real[m] else math.nan
                             for m, v in values.items()},
         }
         for label, cost in models.items():
-            simulated = _simulated(workload, settings, **cost)
-            row[label] = {m: simulated[m] for m in ACCURACY_METRICS}
+            simulated_runs = [_simulated(drawn[r + 1][name], settings, **cost)
+                              for r in range(repeats)]
+            simulated = {m: float(np.mean([s[m] for s in simulated_runs]))
+                         for m in ACCURACY_METRICS}
+            row[label] = simulated
             row[f"{label}_error"] = errors(real, simulated)
         row["step_time_error"] = step_time_error(pooled, [r["events"] for r in runs[name]])
-        row["replay"] = [replay_check(r, workload, settings) for r in runs[name]]
+        row["replay"] = [replay_check(runs[name][r], drawn[r + 1][name], settings)
+                         for r in range(repeats)]
         out["workloads"][name] = row
     out["recorded_calibration"] = {m: recorded["metrics"][m] for m in ACCURACY_METRICS}
     if verbose:
