@@ -376,3 +376,39 @@ def test_the_profiled_fit_reads_a_recording_file_as_it_reads_live_events(tiny_ll
         run_workload(engine, chat(tiny_llama))
     recording = load(path)
     assert ProfiledCostModel.fit(recording) == ProfiledCostModel.fit(events)
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_results_do_not_depend_on_the_process_hash_seed(tiny_llama):
+    """Bit for bit across processes too: string hashing is randomized per process, so
+    nothing the results depend on may iterate a set of users or sessions."""
+    import subprocess
+    import sys
+
+    script = f"""
+import hashlib
+from llmlab.experiments import multi_tenant, shared_prefix_chat
+from llmlab.sim import simulate
+from llmlab.sim.profiled import Linear
+from llmlab.sim import ProfiledCostModel
+cost = ProfiledCostModel(("num_requests", "num_prefill_tokens"), Linear((1e-4, 2e-5), 1e-3),
+                         Linear((1e-4, 5e-5), 2e-3))
+digest = hashlib.sha256()
+for workload, router in ((multi_tenant(40, vocab_size=100, rate=300.0, seed=1, low=2),
+                          "least_loaded"),
+                         (shared_prefix_chat(6, 3, vocab_size=100, system_prompt_len=12,
+                                             rate=300.0, seed=1, low=2), "session_affinity")):
+    result = simulate(workload, model={tiny_llama!r}, replicas=3, router=router,
+                      cost_model=cost, progress=False, max_model_len=96, block_size=4,
+                      num_gpu_blocks_override=60, max_num_seqs=4)
+    digest.update(result.table.to_csv().encode())
+    digest.update(result.requests.to_csv().encode())
+print(digest.hexdigest())
+"""
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1
