@@ -23,24 +23,25 @@ size of a sweep runs in a fresh process too. ``profile``: cProfile of the 10^4 r
 functions per simulated step.
 
 ``accuracy``: the built-in model (float32, 16 sequences, blocks of 16, 512 blocks, seed 0,
-``--threads`` torch threads, default 1: this 2-core machine is shared). One real engine runs
-everything, warmed up first on every workload shape with other prompts (a fresh engine's
-first steps meet each shape for the first time and run several times slower). It records
-the calibration workload (``mixed_long_short``, 120 requests at 30/s), then ``--repeats``
-times runs the calibration workload and two others (``few_shot``: 100 requests at 25/s on 3
-long templates; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s), each repeat drawn with
-its own seed (so no run finds an earlier one's prompts in the prefix cache), workloads
-interleaved so load drift hits all alike. ``ProfiledCostModel`` is fitted on every
-recording of the calibration workload (the fit on the first recording alone is shown as
-"1 run"). Each drawn workload is simulated once (deterministic) with the profiled model and
-with the ``roofline`` model on ``this_machine``; real and simulated means over the repeats
-are compared. Reported per workload and metric (``ACCURACY_METRICS``): the real mean, its
-spread over the repeats ((max - min) / mean: the noise floor, which includes the different
-draws), each model's value and signed error; the profiled model's error on the real runs'
-own step shapes (its error before queueing amplifies it); and, for every real run, a replay
-(``ReplayCostModel``: each simulated step ends when the real one did) whose decisions are
-compared with the real ones: per-request output tokens, admission order, preemptions,
-prefix-hit blocks, steps.
+``--threads`` torch threads, default 1: this 2-core machine is shared). One real engine
+runs everything, warmed up first on every workload shape with other prompts (a fresh
+engine's first steps meet each shape for the first time and run several times slower). It
+records the calibration workload (``mixed_long_short``, 120 requests at 30/s), then
+``--repeats`` times runs the calibration workload and two others (``few_shot``: 100
+requests at 25/s on 3 long templates; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s),
+each repeat drawn with its own seed (so no run finds an earlier one's prompts in the prefix
+cache), workloads interleaved so load drift hits all alike. ``ProfiledCostModel`` is fitted
+on every recording of the calibration workload (the fit on the first recording alone is
+shown as "1 run"). Each drawn workload is simulated once (deterministic) with the profiled
+model and with the ``roofline`` model on ``this_machine``, as is and with its host term
+fitted on the calibration recordings ("+host": ``RooflineCostModel.fit_host``); real and
+simulated means over the repeats are compared. Reported per workload and metric
+(``ACCURACY_METRICS``): the real mean, its spread over the repeats ((max - min) / mean: the
+noise floor, which includes the different draws), each model's value and signed error; the
+profiled model's error on the real runs' own step shapes (its error before queueing
+amplifies it); and, for every real run, a replay (``ReplayCostModel``: each simulated step
+ends when the real one did) whose decisions are compared with the real ones: per-request
+output tokens, admission order, preemptions, prefix-hit blocks, steps.
 
     python -m benchmarks.simulator                      # speed, sweeps and accuracy
     python -m benchmarks.simulator speed --full         # adds 10^6 requests
@@ -468,8 +469,15 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
     out: dict[str, Any] = {"settings": dict(settings), "threads": threads, "repeats": repeats,
                            "profiled": pooled.describe(), "profiled_one_run": one.describe(),
                            "profiled_steps": pooled.num_steps, "workloads": {}}
+    from llmlab.builtin import builtin_model_path
+    from llmlab.sim import RooflineCostModel
+
+    roofline_host = RooflineCostModel.for_model(
+        str(builtin_model_path()), hardware="this_machine", dtype=settings["dtype"]
+    ).fit_host([e for r in [recorded, *runs["calibration"]] for e in r["events"]])
     models = {"profiled": {"cost_model": pooled}, "profiled_one_run": {"cost_model": one},
-              "roofline": {"cost_model": "roofline", "hardware": "this_machine"}}
+              "roofline": {"cost_model": "roofline", "hardware": "this_machine"},
+              "roofline_host": {"cost_model": roofline_host}}
     for name in names:
         values = {m: [r["metrics"][m] for r in runs[name]] for m in ACCURACY_METRICS}
         real = {m: float(np.mean(v)) for m, v in values.items()}
@@ -522,14 +530,15 @@ def step_time_error(cost, runs_events) -> dict[str, dict[str, float]]:
 
 def _print_accuracy(out: dict) -> None:
     print(f"{'workload':<19} {'metric':<12} {'real ms':>8} {'spread':>7} {'profiled':>9} "
-          f"{'error':>7} {'(1 run)':>7} {'roofline':>9} {'error':>7}")
+          f"{'error':>7} {'(1 run)':>7} {'roofline':>9} {'error':>7} {'+host':>7}")
     for name, w in out["workloads"].items():
         for m in ACCURACY_METRICS:
             print(f"{name:<19} {m:<12} {w['real_mean'][m] * 1e3:>8.1f} "
                   f"{w['real_spread'][m]:>7.1%} {w['profiled'][m] * 1e3:>9.1f} "
                   f"{w['profiled_error'][m]:>+7.1%} {w['profiled_one_run_error'][m]:>+7.1%} "
-                  f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%}")
-    for model in ("profiled", "profiled_one_run", "roofline"):
+                  f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%} "
+                  f"{w['roofline_host_error'][m]:>+7.1%}")
+    for model in ("profiled", "profiled_one_run", "roofline", "roofline_host"):
         cells = [abs(w[f"{model}_error"][m]) for name, w in out["workloads"].items()
                  if name != "calibration" for m in ACCURACY_METRICS]
         within = sum(e <= 0.05 for e in cells)

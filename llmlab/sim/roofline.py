@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
 from llmlab.sim.measure import (
     _torch_dtype,
@@ -39,6 +40,7 @@ from llmlab.sim.measure import (
 from llmlab.validation import as_bool, as_int, as_real, as_str
 
 if TYPE_CHECKING:
+    from llmlab.engine.events import StepEvent
     from llmlab.sim.shape import BatchShape
 
 
@@ -473,9 +475,10 @@ class HostCost:
         time = per_step_s + per_request_s * num_requests + per_token_s * num_tokens
                + per_admission_s * num_admitted
 
-    The defaults are rough numbers for llmlab's CPU engine (a few hundred microseconds a
-    step, tens per request); fit them on a real run's step events for anything you report.
-    TODO(maintainers): retune the defaults from measurements.
+    The defaults are rough numbers (a few hundred microseconds a step, tens per request);
+    llmlab's CPU engine spends 2-3 ms a step on a small model (BENCHMARKS.md), so fit them
+    on a real run's step events (:meth:`RooflineCostModel.fit_host`) for anything you
+    report.
     """
 
     per_step_s: float = attrs.field(default=3e-4, converter=_nonnegative_real("per_step_s"))
@@ -595,8 +598,34 @@ class RooflineCostModel:
     def memory_time(self, shape: BatchShape) -> float:
         return self.bytes(shape) / (self.hardware.memory_bytes_per_s * self.memory_efficiency)
 
-    def step_time(self, shape: BatchShape) -> float:
-        host_s = self.host.time(shape)
+    def device_time(self, shape: BatchShape) -> float:
+        """The roofline part of a step: ``max(compute, memory)`` (0 with no requests)."""
         if shape.num_requests == 0:
-            return host_s
-        return max(self.compute_time(shape), self.memory_time(shape)) + host_s
+            return 0.0
+        return max(self.compute_time(shape), self.memory_time(shape))
+
+    def step_time(self, shape: BatchShape) -> float:
+        return self.device_time(shape) + self.host.time(shape)
+
+    def fit_host(self, events: Iterable[StepEvent]) -> RooflineCostModel:
+        """This model with its :class:`HostCost` fitted on a real run's step events: each
+        step's measured cycle (:func:`~llmlab.sim.cost_model.measured_step_times`) less
+        its roofline time, by least squares with every term >= 0. The device part stays
+        the hardware's; only what the hardware cannot explain goes to the host."""
+        from llmlab.sim.cost_model import as_shapes
+        from llmlab.sim.profiled import _nonnegative_least_squares
+
+        shapes, times = as_shapes(events)
+        if len(shapes) < 5:
+            raise ValueError(
+                f"fitting the host term needs at least 5 steps that ran a batch, got "
+                f"{len(shapes)}"
+            )
+        x = np.array([[s.num_requests, s.num_tokens, s.num_admitted] for s in shapes],
+                     dtype=np.float64)
+        y = np.asarray(times) - np.array([self.device_time(s) for s in shapes])
+        (per_request, per_token, per_admission), per_step = _nonnegative_least_squares(x, y)
+        return attrs.evolve(self, host=HostCost(
+            per_step_s=per_step, per_request_s=float(per_request),
+            per_token_s=float(per_token), per_admission_s=float(per_admission),
+        ))

@@ -412,3 +412,21 @@ print(digest.hexdigest())
                              text=True, check=True)
         digests.add(out.stdout.strip())
     assert len(digests) == 1
+
+
+def test_the_rooflines_host_term_is_fitted_on_a_run(tiny_llama):
+    """A run whose steps cost a roofline plus a known host term gives that term back; the
+    device part stays the hardware's."""
+    from llmlab.sim import HostCost, ModelShape, RooflineCostModel
+    from llmlab.sim.roofline import Hardware
+
+    gpu = Hardware("toy", matmul_flops_per_s=1e12, memory_bytes_per_s=1e11, memory_bytes=1e10)
+    shape = ModelShape.from_pretrained(tiny_llama)
+    host = HostCost(per_step_s=2e-3, per_request_s=4e-5, per_token_s=1e-6, per_admission_s=3e-4)
+    truth = RooflineCostModel(shape, gpu, host=host)
+    engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
+    _, trace = run_workload(engine, chat(tiny_llama))
+    fitted = RooflineCostModel(shape, gpu).fit_host(trace.events)
+    assert attrs.astuple(fitted.host) == pytest.approx(attrs.astuple(host), rel=1e-6)
+    assert fitted.device_time(BatchShape(num_requests=1, num_decode_requests=1,
+                                         context_tokens=10)) > 0
