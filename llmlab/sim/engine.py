@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from llmlab.config import EngineConfig
+from llmlab.dtypes import dtype_from_name
 from llmlab.engine.engine import Engine
 from llmlab.engine.executor import VirtualClock
 from llmlab.sim.cost_model import CostModel
@@ -28,14 +29,13 @@ from llmlab.sim.roofline import (
     Hardware,
     ModelShape,
     RooflineCostModel,
-    hardware,
 )
+from llmlab.sim.roofline import hardware as lookup_hardware
 
 COMPONENT_KEYS = ("scheduling_policy", "eviction_policy")
 SIM_KEYS = ("cost_model", "hardware", "clock")
 """Keywords of :func:`sim_engine` besides ``EngineConfig``'s fields and the components."""
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 def sim_engine(
@@ -89,10 +89,12 @@ def sim_engine(
             f"max_model_len={cfg.max_model_len} exceeds the model's limit of {max_len} positions"
         )
     # "this_machine" is measured (about a second): only when something reads it.
-    hw = None if hardware == THIS_MACHINE else hardware_of(hardware)
+    hw = None if hardware == THIS_MACHINE else lookup_hardware(hardware)
     on_gpu = hw is not None and hw.memory_bytes is not None
     cfg = resolve_step_settings(cfg, "cuda" if on_gpu else "cpu", max_model_len)
-    dtype_bytes = _DTYPE_BYTES.get(str(cfg.dtype).removeprefix("torch."), 2 if on_gpu else 4)
+    # "auto": what the real engine would pick, bfloat16 on a GPU and float32 on a CPU.
+    dtype = dtype_from_name(cfg.dtype)
+    dtype_bytes = dtype.itemsize if dtype is not None else 2 if on_gpu else 4
     policy = _component("scheduling_policy", scheduling_policy)
     eviction = _component("eviction_policy", eviction_policy)
     num_blocks = _num_blocks(cfg, shape, max_model_len, hw, on_gpu, dtype_bytes)
@@ -104,7 +106,7 @@ def sim_engine(
                 f"cost_model={cost_model!r}; give a CostModel instance (e.g. "
                 "ProfiledCostModel.fit(recording)) or 'roofline'"
             )
-        cost_model = RooflineCostModel(shape, hw or hardware_of(hardware),
+        cost_model = RooflineCostModel(shape, hw or lookup_hardware(hardware),
                                        dtype_bytes=dtype_bytes)
     acceptance = None
     length = None
@@ -134,11 +136,6 @@ def sim_engine(
     if callable(getattr(length, "observe", None)):
         engine.subscribe(length.observe)  # an adaptive length learns from step events
     return engine
-
-
-def hardware_of(value: Hardware | str) -> Hardware:
-    """A :class:`~llmlab.sim.roofline.Hardware` from itself or a preset name."""
-    return value if isinstance(value, Hardware) else hardware(value)
 
 
 def _model(model: Any) -> tuple[ModelShape, str, int | None]:

@@ -45,15 +45,12 @@ class SimulatedExecutor:
         acceptance: decides how many of a speculating entry's draft tokens are accepted
             (an object with ``num_accepted(draft_lengths) -> list[int]``: the synthetic
             proposer); None when the engine does not speculate.
-        num_steps: steps executed so far; ``busy_s``: virtual time they took.
     """
 
     cost_model: CostModel
     clock: VirtualClock
     vocab_size: int
     acceptance: Any = None
-    num_steps: int = 0
-    busy_s: float = 0.0
     # Per row: output tokens so far and the most it may get (to count finishing requests).
     _outputs: dict[int, int] = attrs.field(factory=dict, repr=False)
     _limits: dict[int, int] = attrs.field(factory=dict, repr=False)
@@ -112,8 +109,6 @@ class SimulatedExecutor:
         shape = BatchShape.of_batch(batch, drafted, finishing)
         seconds = step_time(self.cost_model, shape)
         self.clock.advance(seconds)
-        self.num_steps += 1
-        self.busy_s += seconds
         return BatchOutput(
             token_ids=tuple(token_ids),
             logprobs=tuple(logprobs),

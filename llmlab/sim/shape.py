@@ -14,7 +14,7 @@ Only counts, never ids: a shape says what work the step implies, not whose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -101,28 +101,17 @@ class BatchShape:
         """The shape of ``batch`` as an executor sees it. ``num_drafted``: per entry, the
         draft tokens it verifies (None: none); ``num_finished``: requests the step ends
         (an executor that knows the output lengths counts them)."""
-        prefill_tokens = prefill_requests = decodes = drafts = sampled = 0
-        context = positions = forks = 0
-        for i, e in enumerate(batch.entries):
-            n = len(e.token_ids)
-            drafted = num_drafted[i] if num_drafted is not None else 0
-            start = e.start
-            if n == 1 and start >= e.num_prompt_tokens:
-                decodes += 1
-            else:
-                prefill_tokens += n
-                prefill_requests += 1
-            if e.num_scored:
-                sampled += 1 + drafted
-            drafts += drafted
-            n += drafted
-            context += start + n
-            positions += n * start + n * (n + 1) // 2
-            forks += len(e.forks)
+        entries = batch.entries
+        drafts, sampled, context, positions = _work(
+            (e.start, len(e.token_ids), 0 if num_drafted is None else num_drafted[i],
+             e.num_scored > 0)
+            for i, e in enumerate(entries)
+        )
+        decodes = sum(1 for e in entries if e.is_decode)
         return cls(
-            num_requests=len(batch.entries),
-            num_prefill_tokens=prefill_tokens,
-            num_prefill_requests=prefill_requests,
+            num_requests=len(entries),
+            num_prefill_tokens=batch.num_batched_tokens - decodes,
+            num_prefill_requests=len(entries) - decodes,
             num_decode_requests=decodes,
             num_draft_tokens=drafts,
             num_sampled=sampled,
@@ -131,7 +120,7 @@ class BatchShape:
             num_admitted=len(batch.admitted),
             num_preempted=len(batch.preempted),
             num_finished=num_finished,
-            num_forks=forks,
+            num_forks=sum(len(e.forks) for e in entries),
         )
 
     @classmethod
@@ -144,17 +133,14 @@ class BatchShape:
         """
         spec = {rid: (drafted, accepted) for rid, drafted, accepted in event.speculated}
         sampled_ids = {rid for rid, _ in event.sampled}
-        drafts = sampled = context = positions = 0
         computed = event.num_computed or (0,) * len(event.scheduled)
-        for (rid, n), after in zip(event.scheduled, computed, strict=True):
-            drafted, accepted = spec.get(rid, (0, 0))
-            start = after - n - accepted
-            if rid in sampled_ids or drafted:
-                sampled += 1 + drafted
-            drafts += drafted
-            n += drafted
-            context += start + n
-            positions += n * start + n * (n + 1) // 2
+
+        def spans():
+            for (rid, n), after in zip(event.scheduled, computed, strict=True):
+                drafted, accepted = spec.get(rid, (0, 0))
+                yield after - n - accepted, n, drafted, rid in sampled_ids or drafted > 0
+
+        drafts, sampled, context, positions = _work(spans())
         decodes = event.num_batched_tokens - event.num_prefill_tokens
         scheduled = {rid for rid, _ in event.scheduled}
         return cls(
@@ -173,3 +159,18 @@ class BatchShape:
             # of its own.
             num_forks=sum(1 for rid, _ in event.sampled if rid not in scheduled),
         )
+
+
+def _work(spans: Iterable[tuple[int, int, int, bool]]) -> tuple[int, int, int, int]:
+    """Draft tokens, sampled positions, KV context read and attention positions of a
+    step's spans, each ``(start, new tokens, drafted, samples)``: the drafts run through
+    the model after the span, and a sampling span scores its last token and every draft."""
+    drafts = sampled = context = positions = 0
+    for start, n, drafted, samples in spans:
+        if samples:
+            sampled += 1 + drafted
+        drafts += drafted
+        n += drafted
+        context += start + n
+        positions += n * start + n * (n + 1) // 2
+    return drafts, sampled, context, positions
