@@ -50,9 +50,15 @@ def _single_device(field: str, value: object) -> int:
     size = as_int(field, value)
     if size != 1:
         raise ValueError(
-            f"{field}={size} is not supported: llmlab runs on one device (only 1 is allowed)"
+            f"{field}={size} is not supported: llmlab does not split layers across devices "
+            "(only 1 is allowed); use tensor_parallel_size to split a model"
         )
     return size
+
+
+# vLLM's names: "mp" (worker processes started by llmlab), "ray" (Ray actors), "uni" (one
+# process: the only choice at tensor_parallel_size=1). None picks "uni" or "mp".
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 
 
 def _only(field: str, supported: object, value: object, *, allow_none: bool = False) -> object:
@@ -130,6 +136,24 @@ class EngineConfig:
             keeps counters from the step events); llmlab logs no periodic stats either way
             (per-step numbers are in the engine's ``StepEvent``s).
 
+        tensor_parallel_size: split every layer across this many devices (Megatron-style
+            tensor parallelism: ``docs/distributed.md``), one worker process per rank; the
+            attention heads (and the KV heads, or the ranks sharing a KV head) must divide
+            evenly. Checked against the model and the devices at build time.
+        data_parallel_size: run this many whole engine replicas (each of
+            ``tensor_parallel_size`` ranks) in processes of their own, behind a router
+            that picks one per request.
+        distributed_executor_backend: how ranks and replicas are started: ``"mp"``
+            (processes llmlab starts on this machine), ``"ray"`` (Ray actors, on an
+            existing Ray cluster or a local one; ``pip install "llmlab[ray]"``), or
+            ``"uni"`` (one process; tensor_parallel_size=1 only). None: ``"uni"`` at
+            tensor_parallel_size=1, else ``"mp"``.
+        collective_backend: the ``torch.distributed`` backend of a tensor-parallel group:
+            ``"auto"`` (NCCL on CUDA, gloo on CPU), ``"nccl"`` (CUDA only) or ``"gloo"``.
+        distributed_timeout_s: how long a rank waits on a collective (or a worker to start)
+            before the group is declared broken; a rank that dies is noticed sooner (its
+            connections close).
+
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
             built-in architectures only, whatever this says.
@@ -138,7 +162,7 @@ class EngineConfig:
             recomputed on resumption), so nothing is ever swapped.
 
     vLLM settings with one supported value (any other is a ``ValueError``):
-        tensor_parallel_size, pipeline_parallel_size: 1; llmlab runs on one device.
+        pipeline_parallel_size: 1; layers are not split across devices.
         quantization: ``None``; weights run in ``dtype``.
         kv_cache_dtype: ``"auto"``; the KV cache has the model's dtype.
     """
@@ -222,8 +246,25 @@ class EngineConfig:
     swap_space: float = attrs.field(
         default=4.0, converter=functools.partial(as_real, "swap_space", min=0)
     )
-    tensor_parallel_size: int = attrs.field(
-        default=1, converter=functools.partial(_single_device, "tensor_parallel_size")
+    tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
+    data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
+    distributed_executor_backend: str | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else as_choice(
+            "distributed_executor_backend", v, EXECUTOR_BACKENDS
+        ),
+    )
+    collective_backend: str = attrs.field(
+        default="auto",
+        converter=functools.partial(
+            as_choice, "collective_backend", choices=("auto", "nccl", "gloo")
+        ),
+    )
+    distributed_timeout_s: float = attrs.field(
+        default=600.0,
+        converter=functools.partial(
+            as_real, "distributed_timeout_s", min=0, min_inclusive=False
+        ),
     )
     pipeline_parallel_size: int = attrs.field(
         default=1, converter=functools.partial(_single_device, "pipeline_parallel_size")
@@ -237,6 +278,11 @@ class EngineConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one process, but "
+                f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or 'ray'"
+            )
         budget, max_len = self.max_num_batched_tokens, self.max_model_len
         # The engine checks again once max_model_len is known from the model's config.
         one_step_prefill = self.enable_chunked_prefill is False

@@ -53,6 +53,12 @@ class RequestFailedError(RuntimeError):
         super().__init__(reason)
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor can never run another step (a tensor-parallel worker died, or a step
+    failed part-way on some ranks): every request in flight fails and the engine must be
+    rebuilt. The message names the rank and why."""
+
+
 def raise_first(errors: list[Exception]) -> None:
     """Raise the first error of a step; log the others so none goes unseen."""
     if not errors:

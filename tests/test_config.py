@@ -82,8 +82,12 @@ BAD = [
     ("swap_space", math.inf, ValueError, "inf"),
     ("swap_space", None, TypeError, "None"),
     ("swap_space", "4", TypeError, "'4'"),
-    ("tensor_parallel_size", 2, ValueError, "2"),
     ("tensor_parallel_size", 0, ValueError, "0"),
+    ("data_parallel_size", 0, ValueError, "0"),
+    ("data_parallel_size", 1.5, TypeError, "1.5"),
+    ("distributed_executor_backend", "nccl", ValueError, "'nccl'"),
+    ("collective_backend", "mpi", ValueError, "'mpi'"),
+    ("distributed_timeout_s", 0, ValueError, "0"),
     ("tensor_parallel_size", 1.0, TypeError, "1.0"),
     ("tensor_parallel_size", True, TypeError, "True"),
     ("pipeline_parallel_size", 4, ValueError, "4"),
@@ -166,14 +170,14 @@ def test_vllm_keyword_defaults_match_vllm():
     "settings, message",
     [
         (
-            dict(tensor_parallel_size=2),
-            ("tensor_parallel_size=2 is not supported: llmlab runs on one device "
-             "(only 1 is allowed)"),
+            dict(pipeline_parallel_size=2),
+            ("pipeline_parallel_size=2 is not supported: llmlab does not split layers "
+             "across devices (only 1 is allowed); use tensor_parallel_size to split a model"),
         ),
         (
-            dict(pipeline_parallel_size=2),
-            ("pipeline_parallel_size=2 is not supported: llmlab runs on one device "
-             "(only 1 is allowed)"),
+            dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
+            ("distributed_executor_backend='uni' runs one process, but "
+             "tensor_parallel_size=2; use 'mp' or 'ray'"),
         ),
         (dict(quantization="awq"), "quantization='awq' is not supported (only None)"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (only 'auto')"),

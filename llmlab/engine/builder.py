@@ -128,19 +128,69 @@ class EngineBuilder:
 
     def build(self) -> Engine:
         cfg = self.config
+        if cfg.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={cfg.data_parallel_size}: an EngineBuilder builds one "
+                "engine; use LLM(..., data_parallel_size=N) or llmlab serve "
+                "--data-parallel-size N, which start N replicas behind a router"
+            )
         policy = _component("scheduling_policy", self.scheduling_policy)
         eviction = _component("eviction_policy", self.eviction_policy)
+        as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
+        plan = self.plan()
+        workers = None
+        tp = None
+        if plan.config.tensor_parallel_size > 1:
+            from llmlab.distributed.tp_executor import start_workers
+
+            # Raises (starting nothing) on a model the size does not divide.
+            check_tensor_parallel(plan)
+            tp, workers = start_workers(plan)
+        try:
+            rank = build_rank(plan, tp)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
+        cfg = plan.config
+        scheduler = build_scheduler(cfg, rank.num_blocks, plan.max_model_len, policy, eviction)
+        scheduler.speculation = rank.length
+        executor = rank.runner
+        if workers is not None:
+            from llmlab.distributed.tp_executor import TensorParallelExecutor
+
+            executor = TensorParallelExecutor(rank.runner, workers)
+        engine = Engine(
+            config=cfg,
+            scheduler=scheduler,
+            executor=executor,
+            tokenizer=rank.tokenizer,
+            vocab_size=plan.hf_config.vocab_size,
+            max_model_len=plan.max_model_len,
+            eos_token_ids=rank.eos_token_ids,
+            default_sampling_params=default_sampling_params(plan.model_path),
+            max_logprobs=cfg.max_logprobs,
+            grammars=rank.grammars,
+        )
+        if callable(getattr(rank.length, "observe", None)):
+            engine.subscribe(rank.length.observe)  # an adaptive length learns from step events
+        return engine
+
+    def plan(self) -> BuildPlan:
+        """Everything decided before any weights load: the resolved config, the model
+        directory and config, the dtype, the components. Raises ``ValueError`` /
+        ``TypeError`` for a bad setting or component; starts nothing."""
+        cfg = self.config
         auto_attention = self.attention_backend in (None, "auto")
         attention = None
         if not auto_attention:
             attention = _component("attention_backend", self.attention_backend)
         sampler = _component("sampler", self.sampler) or Sampler()
-        as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         device = resolve_device(cfg.device)
-        threads = configure_threads(cfg.cpu_threads)
         check = getattr(attention, "check_device", None)
         if check is not None:  # e.g. triton asked for where it cannot run: fail before loading
             check(device)
+        check_parallel_devices(cfg, device)
         model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
         from transformers import AutoConfig
 
@@ -167,103 +217,187 @@ class EngineBuilder:
             prepack = reason is None and (
                 cfg.cpu_linear == "onednn" or dtype in auto_packed_dtypes()
             )
-        def for_device(model: torch.nn.Module, pack: bool = True) -> torch.nn.Module:
-            """The CPU treatment every model of this engine gets (a draft model too;
-            ``pack=False`` keeps plain linears)."""
-            if prepack and pack:
-                prepack_linears(model)
-            if (
-                device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
-                and cpu_kernels.load() is not None
-            ):
-                model.fused_ops = True
-            return model
-
-        model = for_device(load_model(model_path, hf_config, dtype, device))
-        tokenizer = None
-        if not cfg.skip_tokenizer_init:
-            tokenizer = load_tokenizer(
-                cfg.tokenizer or str(model_path),
-                cfg.tokenizer_revision or cfg.revision,
-                use_fast=cfg.tokenizer_mode != "slow",
-                cache_dir=cfg.download_dir,
-            )
-        layout = model.kv_layout
-        if getattr(sampler, "tokenizer", False) is None:
-            sampler.tokenizer = tokenizer  # bad_words are tokenized with it
-        generator = torch.Generator(device=device)
-        generator.manual_seed(cfg.seed)
-        eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_path)
-        # One grammar compiler (and compile cache) for input checks and the runner's rows.
-        grammars = None
-        if tokenizer is not None:
-            grammars = GrammarFactory(tokenizer, hf_config.vocab_size, eos_token_ids)
-
-        def runner_for(kv_caches: list[torch.Tensor], num_blocks: int) -> ModelRunner:
-            return ModelRunner(
-                model=model,
-                attention=attention,
-                sampler=sampler,
-                kv_caches=kv_caches,
-                block_size=cfg.block_size,
-                device=device,
-                generator=generator,
-                num_kv_blocks=num_blocks,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=max_model_len,
-                grammars=grammars,
-            )
-
-        num_blocks = num_blocks_for(
-            layout=layout,
-            block_size=cfg.block_size,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            num_gpu_blocks_override=cfg.num_gpu_blocks_override,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            profile_peak_bytes=lambda: _profile_peak_bytes(
-                runner_for, attention, layout, cfg, max_model_len, dtype, device
-            ),
+        return BuildPlan(
+            config=cfg, model_path=str(model_path), hf_config=hf_config,
+            max_model_len=max_model_len, dtype=dtype, device=device, prepack=prepack,
+            attention=attention, sampler=sampler,
         )
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
-        kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
-        scheduler = build_scheduler(cfg, num_blocks, max_model_len, policy, eviction)
-        runner = runner_for(kv_caches, num_blocks)
-        runner.threads = threads
-        length = None
-        if cfg.speculative_config is not None:
-            length = _speculate(
-                cfg.speculative_config, runner, scheduler, attention, hf_config.vocab_size,
-                dtype, tokenizer, max_model_len, for_device, cfg.seed,
+
+
+@attrs.frozen
+class BuildPlan:
+    """What :meth:`EngineBuilder.plan` decided: picklable, so that every tensor-parallel
+    rank builds its part of the engine (:func:`build_rank`) from the same decisions."""
+
+    config: EngineConfig
+    model_path: str
+    hf_config: Any
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    prepack: bool
+    attention: AttentionBackend
+    sampler: Sampler
+
+
+@attrs.define
+class RankParts:
+    """One rank's part of an engine: its model runner and what the engine needs of it."""
+
+    runner: ModelRunner
+    num_blocks: int
+    tokenizer: Any
+    grammars: GrammarFactory | None
+    eos_token_ids: frozenset[int]
+    length: Any = None  # the speculative length policy (the scheduler's), or None
+
+
+def check_parallel_devices(cfg: EngineConfig, device: torch.device) -> None:
+    """Refuse a tensor-parallel setting the devices cannot serve (``ValueError`` naming it)."""
+    tp = cfg.tensor_parallel_size
+    backend = cfg.collective_backend
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"collective_backend='nccl' needs CUDA devices, but device is {device.type!r}; "
+            "use 'gloo' (or 'auto') on CPU"
+        )
+    if tp > 1 and device.type == "cuda":
+        count = torch.cuda.device_count()
+        if tp > count:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} CUDA devices, but {count} "
+                f"{'is' if count == 1 else 'are'} visible"
             )
-        if device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention):
-            runner.decode_graphs = DecodeGraphs(
-                model=model,
-                backend=attention,
-                kv_caches=kv_caches,
-                device=device,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=max_model_len,
-                block_size=cfg.block_size,
+        if device.index not in (None, 0):
+            raise ValueError(
+                f"tensor_parallel_size={tp} places rank r on cuda:r; device={cfg.device!r} "
+                "must be 'cuda' or 'auto' (choose the GPUs with CUDA_VISIBLE_DEVICES)"
             )
-        engine = Engine(
-            config=cfg,
-            scheduler=scheduler,
-            executor=runner,
-            tokenizer=tokenizer,
-            vocab_size=hf_config.vocab_size,
+
+
+def check_tensor_parallel(plan: BuildPlan) -> None:
+    """Build rank 0's model on the meta device: a head count or width the tensor-parallel
+    size does not divide raises ``ValueError`` here, before any process starts."""
+    from llmlab.distributed.parallel_state import TensorParallel
+    from llmlab.models.loader import build_model_class
+
+    cls = get_model_class(getattr(plan.hf_config, "architectures", None))
+    with torch.device("meta"):
+        build_model_class(
+            cls, plan.hf_config, TensorParallel(0, plan.config.tensor_parallel_size)
+        )
+
+
+def rank_threads(cfg: EngineConfig) -> int | None:
+    """Threads for one rank: ``cpu_threads`` as given; else, with several ranks on one
+    machine's cores, an equal share of them (None: the automatic single-process choice)."""
+    if cfg.cpu_threads is not None or cfg.tensor_parallel_size == 1:
+        return cfg.cpu_threads
+    from llmlab.threads import available_cpus
+
+    return max(1, available_cpus() // cfg.tensor_parallel_size)
+
+
+def build_rank(plan: BuildPlan, tp=None) -> RankParts:
+    """Load this rank's model (its shard, under tensor parallelism), size and allocate its
+    KV cache (the smallest of every rank's, so one scheduler serves all), and build its
+    model runner. Rank 0 and every worker run exactly this."""
+    cfg, device, dtype = plan.config, plan.device, plan.dtype
+    hf_config, model_path, max_model_len = plan.hf_config, plan.model_path, plan.max_model_len
+    attention, sampler = plan.attention, plan.sampler
+    threads = configure_threads(rank_threads(cfg))
+
+    def for_device(model: torch.nn.Module, pack: bool = True) -> torch.nn.Module:
+        """The CPU treatment every model of this engine gets (a draft model too;
+        ``pack=False`` keeps plain linears)."""
+        if plan.prepack and pack:
+            prepack_linears(model)
+        if (
+            device.type == "cpu" and cfg.cpu_fused_ops and hasattr(model, "fused_ops")
+            and cpu_kernels.load() is not None
+        ):
+            model.fused_ops = True
+        return model
+
+    model = for_device(load_model(model_path, hf_config, dtype, device, tp=tp))
+    tokenizer = None
+    if not cfg.skip_tokenizer_init:
+        tokenizer = load_tokenizer(
+            cfg.tokenizer or str(model_path),
+            cfg.tokenizer_revision or cfg.revision,
+            use_fast=cfg.tokenizer_mode != "slow",
+            cache_dir=cfg.download_dir,
+        )
+    layout = model.kv_layout
+    if getattr(sampler, "tokenizer", False) is None:
+        sampler.tokenizer = tokenizer  # bad_words are tokenized with it
+    generator = torch.Generator(device=device)
+    generator.manual_seed(cfg.seed)
+    eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_path)
+    # One grammar compiler (and compile cache) for input checks and the runner's rows.
+    grammars = None
+    if tokenizer is not None:
+        grammars = GrammarFactory(tokenizer, hf_config.vocab_size, eos_token_ids)
+
+    def runner_for(kv_caches: list[torch.Tensor], num_blocks: int) -> ModelRunner:
+        return ModelRunner(
+            model=model,
+            attention=attention,
+            sampler=sampler,
+            kv_caches=kv_caches,
+            block_size=cfg.block_size,
+            device=device,
+            generator=generator,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len,
-            eos_token_ids=eos_token_ids,
-            default_sampling_params=default_sampling_params(model_path),
-            max_logprobs=cfg.max_logprobs,
             grammars=grammars,
         )
-        if callable(getattr(length, "observe", None)):
-            engine.subscribe(length.observe)  # an adaptive length learns from step events
-        return engine
+
+    num_blocks = num_blocks_for(
+        layout=layout,
+        block_size=cfg.block_size,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        num_gpu_blocks_override=cfg.num_gpu_blocks_override,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        profile_peak_bytes=lambda: _profile_peak_bytes(
+            runner_for, attention, layout, cfg, max_model_len, dtype, device
+        ),
+    )
+    if tp is not None and tp.is_parallel:
+        # Each rank sized its own cache; one scheduler hands out blocks for all of them.
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        num_blocks = int(tp.all_reduce_min(agreed).item())
+    logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
+    kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
+    runner = runner_for(kv_caches, num_blocks)
+    runner.threads = threads
+    length = None
+    if cfg.speculative_config is not None:
+        length = _speculate(
+            cfg.speculative_config, runner, attention, hf_config.vocab_size,
+            dtype, tokenizer, max_model_len, for_device, cfg.seed,
+        )
+    # CUDA graphs capture one device's kernels; a decode step of a tensor-parallel group
+    # runs collectives between them, so those run eagerly.
+    if (
+        device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention)
+        and (tp is None or not tp.is_parallel)
+    ):
+        runner.decode_graphs = DecodeGraphs(
+            model=model,
+            backend=attention,
+            kv_caches=kv_caches,
+            device=device,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=cfg.block_size,
+        )
+    return RankParts(runner, num_blocks, tokenizer, grammars, eos_token_ids, length)
 
 
 def resolve_step_settings(cfg: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:
@@ -312,10 +446,10 @@ def build_scheduler(
     )
 
 
-def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
+def _speculate(spec, runner, attention, vocab_size, dtype, tokenizer,
                max_model_len, for_device, seed):
-    """Wire speculative decoding: the proposer (bound to this engine) into the runner,
-    the length policy into the scheduler; returns the length policy."""
+    """Wire speculative decoding: the proposer (bound to this engine) into the runner;
+    returns the length policy, which the scheduler takes."""
     proposer = spec.build_proposer()
     bind = getattr(proposer, "bind", None)
     if bind is not None:
@@ -333,9 +467,7 @@ def _speculate(spec, runner, scheduler, attention, vocab_size, dtype, tokenizer,
             f"metadata); the sampler {type(runner.sampler).__name__} has none"
         )
     runner.speculator = Speculator(proposer, vocab_size, runner.max_num_seqs)
-    length = spec.length_policy()
-    scheduler.speculation = length
-    return length
+    return spec.length_policy()
 
 
 def _component(kind: str, value):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
+from llmlab.distributed.parallel_state import TensorParallel
 from llmlab.models.weights import WeightTarget, load_mapped_weights
 
 
@@ -45,7 +46,11 @@ class CausalLM(Protocol):
     """A decoder-only language model over a flat, paged batch.
 
     Implementations are built as ``cls(hf_config)`` from a ``transformers`` config object
-    (any version: old and new attribute spellings are both accepted).
+    (any version: old and new attribute spellings are both accepted). A model that supports
+    tensor parallelism also takes ``cls(hf_config, tp=TensorParallel(...))`` and says so with
+    a class attribute ``supports_tensor_parallel = True``: it then sizes its parameters
+    (and ``kv_layout``) for its rank, maps checkpoint tensors to its slices, and returns
+    full-vocabulary logits from ``compute_logits`` on every rank.
 
     Attributes:
         kv_layout: the per-layer KV shape the model's attention layers expect.
@@ -80,10 +85,14 @@ class PagedCausalLMBase(nn.Module):
     """What every built-in model shares: the (possibly tied) LM head and weight loading.
 
     Subclasses set ``self.lm_head`` (``None`` when tied to the input embedding), implement
-    ``input_embedding()`` and ``_map_weight_name(name) -> WeightTarget | None``.
+    ``input_embedding()`` and ``_map_weight_name(name) -> WeightTarget | None``, and keep
+    their :class:`~llmlab.distributed.parallel_state.TensorParallel` in ``self.tp`` (the
+    embedding and head then hold this rank's rows of the vocabulary).
     """
 
     lm_head: nn.Linear | None
+    supports_tensor_parallel = True
+    tp: TensorParallel = TensorParallel()
 
     def input_embedding(self) -> nn.Embedding:
         raise NotImplementedError
@@ -92,9 +101,24 @@ class PagedCausalLMBase(nn.Module):
         # The LM head in oneDNN's layout, when ``cpu_linear.prepack_linears`` made one.
         packed = self._modules.get("packed_head")
         if packed is not None:
-            return packed(hidden).float()
-        head = self.input_embedding().weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+            logits = packed(hidden).float()
+        else:
+            head = self.input_embedding().weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, head).float()
+        # Under tensor parallelism each rank computed its rows of the vocabulary.
+        return self.tp.gather_vocab(logits, self.vocab_size)
+
+    def local_vocab_size(self) -> int:
+        """Rows of the vocabulary this rank's embedding and head hold."""
+        start, end = self.tp.vocab_range(self.vocab_size)
+        return end - start
+
+    def vocab_target(self, param: str) -> WeightTarget:
+        """Where the embedding's or head's checkpoint rows go: this rank's rows only."""
+        if not self.tp.is_parallel:
+            return WeightTarget(param)
+        start, end = self.tp.vocab_range(self.vocab_size)
+        return WeightTarget(param, shard=(0, start, end - start))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_mapped_weights(self, weights, self._map_weight_name)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmlab.attention.backend import AttentionContext
+from llmlab.distributed.parallel_state import TensorParallel, vocab_parallel_embed
 from llmlab.kernels import fused
 from llmlab.kernels.fused import apply_rotary
 from llmlab.models.base import KVLayout, PagedCausalLMBase
@@ -111,17 +112,23 @@ def _qwen_layer_windows(hf_config: object) -> tuple[int | None, ...]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: LlamaFamilySpec, layer_idx: int) -> None:
+    """Under tensor parallelism: this rank's query heads and the KV heads they read
+    (``qkv_proj`` column-parallel), and ``o_proj`` row-parallel, summed over the ranks."""
+
+    def __init__(self, spec: LlamaFamilySpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.layer_idx = layer_idx
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        self.num_heads = tp.split(spec.num_heads, "attention heads")
+        self.num_kv_heads = tp.kv_heads(spec.num_kv_heads, spec.num_heads)[1]
         self.head_dim = spec.head_dim
-        self.split_sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+        q_size = self.num_heads * spec.head_dim
+        kv_size = self.num_kv_heads * spec.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.layer_windows[layer_idx]
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split_sizes), bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         # Qwen3 normalises each head of q and k before rotating them.
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -151,33 +158,36 @@ class LlamaAttention(nn.Module):
         out = attn.attend(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, spec: LlamaFamilySpec) -> None:
+    """Under tensor parallelism: this rank's slice of the inner width (``gate_up_proj``
+    column-parallel, ``down_proj`` row-parallel, summed over the ranks)."""
+
+    def __init__(self, spec: LlamaFamilySpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
-        )
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.tp = tp
+        inner = tp.split(spec.intermediate_size, "intermediate size")
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inner, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inner, spec.hidden_size, bias=spec.mlp_bias)
         self.act = get_activation(spec.hidden_act)
         self.silu = spec.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor, fuse: bool = False) -> torch.Tensor:
         if fuse and self.silu:
-            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+            return self.tp.all_reduce(self.down_proj(fused.silu_and_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaFamilySpec, layer_idx: int) -> None:
+    def __init__(self, spec: LlamaFamilySpec, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, layer_idx)
+        self.self_attn = LlamaAttention(spec, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec)
+        self.mlp = GatedMLP(spec, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
@@ -205,37 +215,33 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h, fuse=True), residual
 
 
-# Checkpoint module names that land in a slice of one of our fused parameters; the
-# offset is computed from the spec because it depends on head counts.
-_FUSED_SLICES = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", lambda s: 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", lambda s: s.q_size),
-    "self_attn.v_proj": ("self_attn.qkv_proj", lambda s: s.q_size + s.kv_size),
-    "mlp.gate_proj": ("mlp.gate_up_proj", lambda s: 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", lambda s: s.intermediate_size),
-}
 _LAYER_NAME = re.compile(r"^(layers\.\d+\.)(.+)\.(weight|bias)$")
 
 
 class LlamaForCausalLM(PagedCausalLMBase):
     """Llama 1/2/3 (Touvron et al., 2023; Meta, 2024) and the base of the family."""
 
-    def __init__(self, hf_config: object) -> None:
+    def __init__(self, hf_config: object, tp: TensorParallel | None = None) -> None:
         super().__init__()
         spec = self.spec_from_config(hf_config)
         self.spec = spec
+        self.tp = tp = tp or TensorParallel.single()
         self.vocab_size = spec.vocab_size
-        self.kv_layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        num_kv_heads = tp.kv_heads(spec.num_kv_heads, spec.num_heads)[1]
+        self.kv_layout = KVLayout(spec.num_layers, num_kv_heads, spec.head_dim)
+        vocab_rows = self.local_vocab_size()
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, i, tp) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # A tied head reads ``embed_tokens.weight`` directly rather than sharing a
         # Parameter object, because sharing does not survive ``to_empty`` / meta init.
         self.lm_head = (
             None
             if spec.tie_word_embeddings
-            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            else nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         )
         # Set by the engine builder on CPU (``cpu_fused_ops``): run the blocks through
         # ``forward_fused``.
@@ -248,7 +254,7 @@ class LlamaForCausalLM(PagedCausalLMBase):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.fused_ops:
             residual = None
@@ -268,15 +274,45 @@ class LlamaForCausalLM(PagedCausalLMBase):
         name = strip_prefixes(name, ("model.",))
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # some tied checkpoints store the head anyway
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return self.vocab_target(name)
         match = _LAYER_NAME.match(name)
         if match is None:
             return WeightTarget(name)
         layer, module, leaf = match.groups()
-        fused = _FUSED_SLICES.get(module)
-        if fused is None:
-            return WeightTarget(name)
-        fused_module, offset = fused
-        return WeightTarget(f"{layer}{fused_module}.{leaf}", row_offset=offset(self.spec))
+        return self._layer_target(layer, module, leaf) or WeightTarget(name)
+
+    def _layer_target(self, layer: str, module: str, leaf: str) -> WeightTarget | None:
+        """Where a projection's checkpoint tensor goes in our fused parameters, and which
+        slice of it this rank reads (None: a tensor kept whole, as named)."""
+        tp, spec = self.tp, self.spec
+        hd = spec.head_dim
+        q_rows = spec.num_heads // tp.size * hd
+        first_kv, num_kv = tp.kv_heads(spec.num_kv_heads, spec.num_heads)
+        kv_rows = num_kv * hd
+        inner = spec.intermediate_size // tp.size
+        # Column-parallel: rows of the checkpoint tensor, into a slice of the fused param.
+        column = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, tp.rank * q_rows, q_rows),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, first_kv * hd, kv_rows),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, first_kv * hd, kv_rows),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, tp.rank * inner, inner),
+            "mlp.up_proj": ("mlp.gate_up_proj", inner, tp.rank * inner, inner),
+        }.get(module)
+        if column is not None:
+            fused_module, offset, start, rows = column
+            return WeightTarget(
+                f"{layer}{fused_module}.{leaf}", row_offset=offset,
+                shard=tp.shard(0, start, rows),
+            )
+        # Row-parallel: columns of the weight; the bias is added once (rank 0).
+        width = {"self_attn.o_proj": q_rows, "mlp.down_proj": inner}.get(module)
+        if width is None or not tp.is_parallel:
+            return None
+        name = f"{layer}{module}.{leaf}"
+        if leaf == "bias":
+            return WeightTarget(name, zero=tp.rank != 0)
+        return WeightTarget(name, shard=(1, tp.rank * width, width))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

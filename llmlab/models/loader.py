@@ -18,9 +18,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from llmlab.distributed.parallel_state import TensorParallel
 from llmlab.dtypes import AUTO_DTYPES, DTYPE_NAMES, dtype_from_name
 from llmlab.models.layers import config_value
 from llmlab.models.registry import get_model_class
+from llmlab.models.weights import LazyTensor
 
 # Config, tokenizer (json, sentencepiece, tiktoken, GPT-2 merges/vocab txt) and weights.
 _METADATA_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
@@ -145,8 +147,15 @@ def _weight_files(path: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
 
 
-def iterate_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(name, tensor)`` from a model directory, one tensor at a time (CPU)."""
+def iterate_weights(
+    path: str | os.PathLike, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Stream ``(name, tensor)`` from a model directory, one tensor at a time (CPU).
+
+    ``lazy``: yield safetensors tensors as :class:`~llmlab.models.weights.LazyTensor`
+    handles, valid until the next item, so that a tensor-parallel rank reads only its
+    slices (``.bin`` files are read whole either way).
+    """
     kind, files = _weight_files(pathlib.Path(path))
     if kind == "safetensors":
         from safetensors import safe_open
@@ -154,7 +163,10 @@ def iterate_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    yield name, handle.get_tensor(name)
+                    if lazy:
+                        yield name, LazyTensor(handle.get_slice(name))
+                    else:
+                        yield name, handle.get_tensor(name)
         return
     for file in files:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -177,22 +189,38 @@ def load_model(
     hf_config: object,
     dtype: torch.dtype | str,
     device: str | torch.device,
+    tp: TensorParallel | None = None,
 ) -> nn.Module:
     """Build the model ``hf_config.architectures`` names and fill it from ``model_path``.
 
     Returns the model in eval mode with gradients off, its parameters in ``dtype`` (a
-    torch dtype or any name :func:`resolve_dtype` accepts) on ``device``.
+    torch dtype or any name :func:`resolve_dtype` accepts) on ``device``. With a parallel
+    ``tp``, the model holds this rank's shard and reads only its slices of the checkpoint.
     """
     cls = get_model_class(config_value(hf_config, "architectures"))
     device = torch.device(device)
     dtype = resolve_dtype(dtype, hf_config, device)
+    parallel = tp is not None and tp.is_parallel
     with torch.device("meta"), _default_dtype(dtype):
-        model = cls(hf_config)
+        model = build_model_class(cls, hf_config, tp)
     model = model.to_empty(device=device)
-    model.load_weights(iterate_weights(model_path))
+    model.load_weights(iterate_weights(model_path, lazy=parallel))
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def build_model_class(cls: type, hf_config: object, tp: TensorParallel | None = None):
+    """``cls(hf_config)``, or ``cls(hf_config, tp=tp)`` for a parallel ``tp``; a class that
+    does not declare ``supports_tensor_parallel`` is refused by name."""
+    if tp is None or not tp.is_parallel:
+        return cls(hf_config)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor_parallel_size={tp.size}: the model class {cls.__name__} does not support "
+            "tensor parallelism (it does not set supports_tensor_parallel = True); use 1"
+        )
+    return cls(hf_config, tp=tp)
 
 
 def load_tokenizer(

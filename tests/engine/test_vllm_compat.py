@@ -34,7 +34,7 @@ def test_seed_none_and_harmless_vllm_keywords_are_accepted(tiny_llama, tmp_path)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported"),
         (dict(quantization="awq"), "quantization='awq' is not supported"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
         (dict(tokenizer_mode="mistral"), "tokenizer_mode"),
