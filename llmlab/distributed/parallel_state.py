@@ -18,10 +18,26 @@ heads than ranks) and :meth:`vocab_range`.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import attrs
 import torch
+
+
+@attrs.define
+class CommStats:
+    """Time this rank spent in the model's collectives (waiting for the slowest rank
+    included: that is what the step pays), how many, and the bytes it contributed."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0
+
+    def add(self, started: float, x: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
 
 
 @attrs.frozen
@@ -38,6 +54,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = attrs.field(default=None, eq=False, repr=False)
+    stats: CommStats = attrs.field(factory=CommStats, eq=False, repr=False)
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -100,7 +117,9 @@ class TensorParallel:
         if self.size > 1:
             # The group's own method: it need not be registered as torch.distributed's
             # default (several engines, each with its group, may live in one process).
+            started = time.perf_counter()
             self.group.allreduce([x]).wait()
+            self.stats.add(started, x)
         return x
 
     def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,8 +141,10 @@ class TensorParallel:
         per_rank = -(-vocab_size // self.size)
         if local.shape[-1] < per_rank:
             local = torch.nn.functional.pad(local, (0, per_rank - local.shape[-1]))
+        started = time.perf_counter()
         parts = [torch.empty_like(local) for _ in range(self.size)]
         self.group.allgather([parts], [local.contiguous()]).wait()
+        self.stats.add(started, local)
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
