@@ -103,10 +103,14 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(rank: int, size: int, host: str, port: int, plan: Any,
-                parent_pid: int | None = None) -> None:
+                parent_pid: int | None = None, cuda_index: int | None = None) -> None:
     """A worker rank: join the group, build this rank's part of the engine, then execute
     every batch rank 0 broadcasts until it broadcasts None. Any failure ends the process
-    (rank 0 notices its connections closing)."""
+    (rank 0 notices its connections closing).
+
+    On CUDA the rank runs on ``cuda:<cuda_index>``; None means ``cuda:<rank>`` (one
+    machine's devices in rank order). A Ray actor passes 0: it sees only its own device.
+    """
     # Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,7 +122,7 @@ def worker_main(rank: int, size: int, host: str, port: int, plan: Any,
     timeout = datetime.timedelta(seconds=cfg.distributed_timeout_s)
     device = plan.device
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if cuda_index is None else cuda_index)
         plan = attrs.evolve(plan, device=device)
     store = dist.TCPStore(host, port, size, False, timeout=timeout)
     store.set(f"ready/{rank}", "1")
@@ -190,9 +194,12 @@ class WorkerGroup:
         self.store = store
         self._closed = False
         self._lock = threading.Lock()
+        self.broadcast_seconds = 0.0  # spent sending batches (benchmarks.distributed)
 
     def broadcast(self, batch: ScheduledBatch | None) -> None:
+        started = time.perf_counter()
         _broadcast_object(self.control, batch, send=True)
+        self.broadcast_seconds += time.perf_counter() - started
 
     def dead(self, wait_s: float = 0.0) -> list:
         """Workers that are not alive, waiting up to ``wait_s`` for one to be (a peer's

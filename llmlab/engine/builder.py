@@ -261,7 +261,8 @@ def check_parallel_devices(cfg: EngineConfig, device: torch.device) -> None:
             f"collective_backend='nccl' needs CUDA devices, but device is {device.type!r}; "
             "use 'gloo' (or 'auto') on CPU"
         )
-    if tp > 1 and device.type == "cuda":
+    # With Ray, the ranks' GPUs may be on other nodes: Ray's placement decides.
+    if tp > 1 and device.type == "cuda" and cfg.distributed_executor_backend != "ray":
         count = torch.cuda.device_count()
         if tp > count:
             raise ValueError(
