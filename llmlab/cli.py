@@ -55,6 +55,21 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (default off; docs/speculative.md)')
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split every layer across this many devices (default 1)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="run this many engine replicas, each in a process of its own, "
+                        "behind a router (default 1; docs/distributed.md)")
+    parser.add_argument("--router", default=None,
+                        help=f"with --data-parallel-size > 1, which replica gets each request: "
+                        f"{names}; round_robin (default), least_loaded, prefix_aware, "
+                        "session_affinity")
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray", "uni"),
+                        default=None, help="how tensor-parallel ranks are started (default: "
+                        "uni at --tensor-parallel-size 1, else mp)")
+    parser.add_argument("--distributed-timeout-s", type=float, default=600.0,
+                        help="how long a rank or replica may take to start, or wait on a "
+                        "collective (default 600)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +173,11 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "cpu_fused_ops": args.cpu_fused_ops,
         "cpu_threads": args.cpu_threads,
         "speculative_config": args.speculative_config,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "router": args.router,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "distributed_timeout_s": args.distributed_timeout_s,
     }
 
 

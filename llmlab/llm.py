@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from llmlab.engine.builder import EngineBuilder
+from llmlab.distributed.data_parallel import DataParallelEngine, build_engine
 from llmlab.engine.engine import Engine
 from llmlab.engine.inputs import PromptType, render_chat
 from llmlab.engine.metrics_reader import EngineCounters, Metric, collect
@@ -42,6 +42,14 @@ class LLM:
     :class:`~llmlab.speculative.stats.SpecDecodeStats`) counts speculative decoding's
     drafts and acceptance from construction on, and :meth:`get_metrics` reports it with
     the token and request totals; otherwise ``spec_decode_stats`` is None.
+
+    With ``data_parallel_size=N > 1``, ``llm_engine`` is a
+    :class:`~llmlab.distributed.data_parallel.DataParallelEngine`: N replicas of the
+    engine in N processes, each request sent whole to one of them by ``router`` (a
+    registered name such as ``"round_robin"`` (the default), ``"least_loaded"``,
+    ``"prefix_aware"``, ``"session_affinity"``, or an instance); ``generate`` and ``chat``
+    work unchanged and return outputs in prompt order. Component instances are then
+    pickled to each replica, so they must be picklable. ``router`` is unused at N == 1.
     """
 
     def __init__(
@@ -53,22 +61,23 @@ class LLM:
         eviction_policy: Any = None,
         attention_backend: Any = None,
         sampler: Any = None,
+        router: Any = None,
         **settings: Any,
     ) -> None:
-        builder = EngineBuilder.from_settings(
+        self.llm_engine: Engine | DataParallelEngine = build_engine(
             model,
             tokenizer,
             scheduling_policy=scheduling_policy,
             eviction_policy=eviction_policy,
             attention_backend=attention_backend,
             sampler=sampler,
+            router=router,
             **settings,
         )
-        self.llm_engine: Engine = builder.build()
         self._init_state()
 
     @classmethod
-    def from_engine(cls, engine: Engine) -> LLM:
+    def from_engine(cls, engine: Engine | DataParallelEngine) -> LLM:
         """Wrap an engine built elsewhere (e.g. by an ``EngineBuilder``)."""
         llm = cls.__new__(cls)
         llm.llm_engine = engine
@@ -222,7 +231,7 @@ class LLM:
                 f"beam_width={params.beam_width} needs the top {k} logprobs per beam, more "
                 f"than max_logprobs={engine.max_logprobs}; build the LLM with max_logprobs>={k}"
             )
-        if not engine.kv_cache.enable_prefix_caching:
+        if not engine.config.enable_prefix_caching:
             logger.warning(
                 "beam_search without prefix caching recomputes every beam's whole sequence at "
                 "each step; build the LLM with enable_prefix_caching=True to share them"

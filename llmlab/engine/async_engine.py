@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # a stream's end-of-outputs marker
 
+# What the loop calls on an engine: an Engine, or another with the same surface (the
+# data-parallel front end, llmlab.distributed.data_parallel).
+_ENGINE_METHODS = ("prepare_request", "add_prepared_request", "abort_request", "step",
+                   "has_unfinished_requests", "get_tokenizer")
+
 
 class EngineError(RuntimeError):
     """A step failed; the requests in flight were aborted. The engine keeps serving."""
@@ -114,11 +119,23 @@ class AsyncEngine:
     Build one around an engine (``AsyncEngine(engine)``) or from ``LLM``'s arguments
     (:meth:`from_settings`). The loop thread starts at construction (``start=False`` to
     start it later with :meth:`start`); :meth:`shutdown` stops it.
+
+    Any engine with :class:`Engine`'s request methods works (a
+    :class:`~llmlab.distributed.data_parallel.DataParallelEngine` does). Three optional
+    members are used when present: ``wake()`` (called when new work arrives, to end a
+    step that waits for it), ``is_alive`` / ``dead_reason()`` (an engine that cannot
+    serve: requests are refused, ``check_health`` raises) and ``shutdown()`` (called by
+    :meth:`shutdown`).
     """
 
     def __init__(self, engine: Engine, *, start: bool = True) -> None:
-        if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+        if not isinstance(engine, Engine) and not all(
+            callable(getattr(engine, name, None)) for name in _ENGINE_METHODS
+        ):
+            raise TypeError(
+                f"engine must be an Engine (or have its methods {', '.join(_ENGINE_METHODS)}), "
+                f"got {type(engine).__name__}"
+            )
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: list[tuple[PreparedRequest, RequestStream]] = []
@@ -138,7 +155,7 @@ class AsyncEngine:
             max_workers=32, thread_name_prefix="llmlab-prepare"
         )
         self._step_again = False  # a failed step may still hold outputs to deliver
-        self._failures: dict[str, str] = {}  # request id -> why the engine failed it
+        self._failures: dict[str, RequestFailedError] = {}  # request id -> the engine's error
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         if start:
@@ -146,10 +163,11 @@ class AsyncEngine:
 
     @classmethod
     def from_settings(cls, model: str, tokenizer: str | None = None, **kwargs: Any) -> AsyncEngine:
-        """Build the engine exactly as ``LLM(model, tokenizer, **kwargs)`` would."""
-        from llmlab.engine.builder import EngineBuilder
+        """Build the engine exactly as ``LLM(model, tokenizer, **kwargs)`` would
+        (``data_parallel_size`` and ``router`` included)."""
+        from llmlab.distributed.data_parallel import build_engine
 
-        return cls(EngineBuilder.from_settings(model, tokenizer, **kwargs).build())
+        return cls(build_engine(model, tokenizer, **kwargs))
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -166,6 +184,7 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._wake_engine()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         with self._cond:
@@ -179,10 +198,14 @@ class AsyncEngine:
                 logger.exception("aborting the open requests at shutdown failed")
             self._end(streams, EngineDeadError("the engine was shut down"))
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.engine, "shutdown", None)
+        if callable(close):  # an engine with processes of its own (data parallelism)
+            close()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and getattr(self.engine, "is_alive", True))
 
     @property
     def errored(self) -> bool:
@@ -243,6 +266,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._inbox.append((prepared, stream))
             self._cond.notify()
+        self._wake_engine()
         return stream
 
     async def generate(
@@ -281,6 +305,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             self._aborts.add(request_id)
             self._cond.notify()
+        self._wake_engine()
         if stream is not None:
             # Whatever the loop delivered before the abort is not read any more: after
             # abort() the stream ends, however far the engine had got.
@@ -295,6 +320,11 @@ class AsyncEngine:
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
+
+    def _wake_engine(self) -> None:
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:  # its step() may be waiting for work: new work came
+            wake()
 
     # -- the loop thread -----------------------------------------------------------------
 
@@ -354,7 +384,7 @@ class AsyncEngine:
         except RequestFailedError as err:
             # The engine ended that request itself; its final output comes with the next
             # step, which then ends the stream with this error.
-            self._failures[err.request_id] = str(err)
+            self._failures[err.request_id] = err
             self._step_again = True
             return
         except Exception as err:
@@ -392,9 +422,11 @@ class AsyncEngine:
                     del self._streams[output.request_id]
                     stream.finished = True
                     if failure is None and _engine_aborted(output):
-                        failure = "the engine aborted the request (see the server log)"
+                        failure = RequestFailedError(
+                            output.request_id, "the engine aborted the request (see the server log)"
+                        )
                     if failure is not None:
-                        item = RequestFailedError(output.request_id, failure)
+                        item = failure
                 by_loop.setdefault(stream._loop, []).append((stream, item))
                 if output.finished:
                     by_loop[stream._loop].append((stream, _END))
@@ -422,6 +454,8 @@ class AsyncEngine:
                 self.abort_nowait(request_id)
 
     def _dead_reason(self) -> str:
+        if not getattr(self.engine, "is_alive", True):
+            return self.engine.dead_reason()
         if self._dead is not None:
             return f"the engine loop died: {_describe(self._dead)}"
         if self._thread is None:

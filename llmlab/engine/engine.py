@@ -181,6 +181,22 @@ class Engine:
             self._forget(member)
             yield member
 
+    @property
+    def is_alive(self) -> bool:
+        """False once the executor can never run another step (a tensor-parallel rank
+        died: :class:`~llmlab.errors.ExecutorDeadError`); :meth:`dead_reason` says why."""
+        return getattr(self.executor, "dead", None) is None
+
+    def dead_reason(self) -> str:
+        return str(getattr(self.executor, "dead", None) or "the engine is alive")
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (tensor-parallel worker processes or actors);
+        safe to call twice. An engine of one process has nothing to stop."""
+        close = getattr(self.executor, "shutdown", None)
+        if callable(close):
+            close()
+
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is queued or running (so it cannot be reused yet)."""
         return request_id in self._requests or request_id in self._groups

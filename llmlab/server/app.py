@@ -35,11 +35,12 @@ from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException
 
 import llmlab
+from llmlab.distributed.data_parallel import DataParallelEngine, ReplicaFailedError
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected, bad_request
-from llmlab.server.metrics import EngineMetrics
+from llmlab.server.metrics import DataParallelMetrics, EngineMetrics
 from llmlab.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,14 @@ def build_app(
                             max_prompts_per_request=max_prompts_per_request,
                             max_sequences_per_request=max_sequences_per_request,
                             max_queued_sequences=max_queued_sequences)
-    metrics = EngineMetrics(names[0])
-    engine.engine.subscribe(metrics)
+    if isinstance(engine.engine, DataParallelEngine):
+        # Series per replica (engine="0", ...) and for all of them (engine="all").
+        dp = engine.engine
+        metrics = DataParallelMetrics(names[0], dp.num_replicas, health=dp.health)
+        dp.subscribe(metrics, replica=True)
+    else:
+        metrics = EngineMetrics(names[0])
+        engine.engine.subscribe(metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -206,6 +213,8 @@ async def _run(coro):
         return await coro
     except (ValueError, TypeError) as err:
         raise bad_request(err) from err
+    except ReplicaFailedError as err:  # its replica died: the server's fault
+        raise APIError(str(err), status=503, type="server_error") from err
     except RequestFailedError as err:
         raise APIError(str(err)) from err
     except (EngineError, EngineDeadError) as err:
@@ -262,7 +271,9 @@ async def detokenize(body: p.DetokenizeRequest, serving: Serving):
 
 
 @router.get("/health", response_class=Response,
-            responses={200: {"description": "Healthy (empty body)"}, **_PLAIN_ERRORS})
+            responses={200: {"description": "Healthy (empty body), or degraded: some "
+                             "data-parallel replicas are dead (a JSON body says which)"},
+                       **_PLAIN_ERRORS})
 async def health(request: Request):
     try:
         await request.app.state.engine.check_health()
@@ -273,6 +284,12 @@ async def health(request: Request):
     if in_flight >= serving.max_queued_sequences:  # new requests would get a 429 now
         raise APIError(f"the server is at capacity ({in_flight} requests in flight)",
                        status=503, type="server_error", headers={"Retry-After": "1"})
+    replicas = getattr(request.app.state.engine.engine, "health", None)
+    if replicas is not None:  # data parallelism: serving while some replicas are dead
+        statuses = replicas()
+        if any(s.status != "ok" for s in statuses):
+            body = {"status": "degraded", "replicas": [s.to_json() for s in statuses]}
+            return JSONResponse(body, status_code=200)
     return Response(status_code=200)
 
 

@@ -6,6 +6,9 @@ never reads engine state. Latencies come from the event's clock readings and eac
 arrival time (carried by the event that admits it), so they are in the engine's clock (the
 real one when serving).
 
+:class:`DataParallelMetrics` does the same for a data-parallel engine's replicas, with an
+``engine`` label per replica and ``engine="all"`` for the totals.
+
 Per-request latencies (TTFT, inter-token, end-to-end, queueing) are observed for requests
 seen being admitted; a parallel sample (``n > 1``) counts its tokens and its finish but
 shares its request's latencies.
@@ -42,41 +45,23 @@ class _Tracked:
     last_token_time: float | None = None
 
 
-class EngineMetrics:
-    """Prometheus metrics of one engine, in a registry of their own.
+class _Families:
+    """Every metric family, in one registry, with the label names ``labels`` (the first
+    is ``model_name``)."""
 
-    ``EngineMetrics(model_name)`` then ``engine.subscribe(metrics)``; :meth:`render` gives
-    the text exposition format for ``GET /metrics``. Every metric has a ``model_name``
-    label; ``request_success`` also has ``finished_reason`` (``stop``, ``length``,
-    ``abort``).
-    """
+    def __init__(self, registry, labels: list[str]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
 
-    def __init__(self, model_name: str, registry=None) -> None:
-        from prometheus_client import (
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            Histogram,
-            disable_created_metrics,
-        )
-
-        disable_created_metrics()  # no ``*_created`` series, as vLLM: they only add noise
-
-        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
-        self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
+        reg = registry
 
         def gauge(name, doc):
-            return Gauge(f"llmlab:{name}", doc, labels, registry=reg).labels(model_name)
+            return Gauge(f"llmlab:{name}", doc, labels, registry=reg)
 
-        def counter(name, doc):
-            return Counter(f"llmlab:{name}", doc, labels, registry=reg).labels(model_name)
+        def counter(name, doc, extra=()):
+            return Counter(f"llmlab:{name}", doc, [*labels, *extra], registry=reg)
 
         def histogram(name, doc, buckets):
-            return Histogram(
-                f"llmlab:{name}", doc, labels, buckets=buckets, registry=reg
-            ).labels(model_name)
+            return Histogram(f"llmlab:{name}", doc, labels, buckets=buckets, registry=reg)
 
         self.num_requests_running = gauge("num_requests_running", "Requests running (admitted).")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -92,9 +77,8 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions (KV dropped, recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self._success = Counter(
-            "llmlab:request_success", "Requests finished, by finish reason.",
-            ["model_name", "finished_reason"], registry=reg,
+        self.request_success = counter(
+            "request_success", "Requests finished, by finish reason.", ["finished_reason"]
         )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first output token.", _TTFT_BUCKETS
@@ -117,31 +101,44 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Drafted tokens the target accepted."
         )
-        self._accepted_per_pos = Counter(
-            "llmlab:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens by position in the draft (0-based).",
-            ["model_name", "position"], registry=reg,
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0-based).", ["position"],
         )
-        self._drafted_per_pos = Counter(
-            "llmlab:spec_decode_num_draft_tokens_per_pos",
-            "Drafted tokens by position in the draft (0-based).",
-            ["model_name", "position"], registry=reg,
+        self.drafted_per_pos = counter(
+            "spec_decode_num_draft_tokens_per_pos",
+            "Drafted tokens by position in the draft (0-based).", ["position"],
         )
+
+
+class _Series:
+    """The metrics of one engine (or of all replicas together): the families' children
+    for one set of label values, and the requests being followed for latencies."""
+
+    _SIMPLE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+               "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+               "prompt_tokens", "generation_tokens", "time_to_first_token",
+               "inter_token_latency", "e2e_request_latency", "request_queue_time",
+               "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+               "spec_decode_num_accepted_tokens")
+
+    def __init__(self, families: _Families, values: tuple[str, ...]) -> None:
+        self._families = families
+        self._values = values
+        for name in self._SIMPLE:
+            setattr(self, name, getattr(families, name).labels(*values))
         self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.Lock()
 
     def request_success(self, finished_reason: str):
-        return self._success.labels(self.model_name, finished_reason)
+        return self._families.request_success.labels(*self._values, finished_reason)
 
-    def __call__(self, event: StepEvent) -> None:
-        with self._lock:
-            self._observe(event)
-
-    def _observe(self, event: StepEvent) -> None:
+    def observe(self, event: StepEvent, *, gauges: bool = True) -> None:
+        """Count one step event (``gauges=False``: leave the gauges to the caller)."""
         now = event.end_time_s
-        self.num_requests_running.set(event.num_running)
-        self.num_requests_waiting.set(event.num_waiting)
-        self.kv_cache_usage_perc.set(event.kv_usage)
+        if gauges:
+            self.num_requests_running.set(event.num_running)
+            self.num_requests_waiting.set(event.num_waiting)
+            self.kv_cache_usage_perc.set(event.kv_usage)
         if event.preempted:
             self.num_preemptions.inc(len(event.preempted))
         for admission in event.admitted:
@@ -151,7 +148,8 @@ class EngineMetrics:
                 self._tracked[admission.request_id] = _Tracked(
                     admission.arrival_time, admission.num_prompt_tokens
                 )
-                self.request_queue_time.observe(max(0.0, event.start_time_s - admission.arrival_time))
+                queued = event.start_time_s - admission.arrival_time
+                self.request_queue_time.observe(max(0.0, queued))
         total = 0
         for request_id, num_tokens in event.sampled:
             total += num_tokens
@@ -189,12 +187,137 @@ class EngineMetrics:
         self.spec_decode_num_drafts.inc(num_drafts)
         self.spec_decode_num_draft_tokens.inc(sum(drafted))
         self.spec_decode_num_accepted_tokens.inc(sum(accepted))
+        families, values = self._families, self._values
         for pos, (num_drafted, num_accepted) in enumerate(zip(drafted, accepted)):
-            self._drafted_per_pos.labels(self.model_name, str(pos)).inc(num_drafted)
-            self._accepted_per_pos.labels(self.model_name, str(pos)).inc(num_accepted)
+            families.drafted_per_pos.labels(*values, str(pos)).inc(num_drafted)
+            families.accepted_per_pos.labels(*values, str(pos)).inc(num_accepted)
+
+
+def _registry(registry):
+    from prometheus_client import CollectorRegistry, disable_created_metrics
+
+    disable_created_metrics()  # no ``*_created`` series, as vLLM: they only add noise
+    return CollectorRegistry(auto_describe=True) if registry is None else registry
+
+
+class EngineMetrics:
+    """Prometheus metrics of one engine, in a registry of their own.
+
+    ``EngineMetrics(model_name)`` then ``engine.subscribe(metrics)``; :meth:`render` gives
+    the text exposition format for ``GET /metrics``. Every metric has a ``model_name``
+    label; ``request_success`` also has ``finished_reason`` (``stop``, ``length``,
+    ``abort``). The series' children are attributes (``metrics.num_requests_running``,
+    ...).
+    """
+
+    def __init__(self, model_name: str, registry=None) -> None:
+        self.registry = _registry(registry)
+        self.model_name = model_name
+        self._series = _Series(_Families(self.registry, ["model_name"]), (model_name,))
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_series":
+            raise AttributeError(name)
+        return getattr(self._series, name)
+
+    def __call__(self, event: StepEvent) -> None:
+        with self._lock:
+            self._series.observe(event)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         from prometheus_client import generate_latest
 
+        return generate_latest(self.registry)
+
+
+class DataParallelMetrics:
+    """Prometheus metrics of a data-parallel engine's replicas: every metric of
+    :class:`EngineMetrics` with one more label, ``engine`` (vLLM's label for data-parallel
+    ranks): ``engine="0"``, ``engine="1"``, ... per replica, and ``engine="all"`` for
+    all of them together (select ``engine="all"`` for totals: summing every ``engine``
+    value would count each twice). Gauges of ``"all"`` are sums (running, waiting) or the
+    fraction of all replicas' KV blocks in use; a dead replica's gauges read 0.
+
+    Two more gauges: ``llmlab:dp_replicas`` (replicas started) and
+    ``llmlab:dp_replicas_alive``, plus ``llmlab:dp_replica_alive`` per ``engine`` (1 or
+    0), read from ``health`` (a callable returning objects with ``index`` and ``status``)
+    when rendered.
+
+    Subscribe it with ``engine.subscribe(metrics, replica=True)``: it is called as
+    ``metrics(replica_index, event)``.
+    """
+
+    def __init__(self, model_name: str, num_replicas: int, health=None, registry=None) -> None:
+        from prometheus_client import Gauge
+
+        self.registry = _registry(registry)
+        self.model_name = model_name
+        self.num_replicas = num_replicas
+        self._health = health
+        families = _Families(self.registry, ["model_name", "engine"])
+        self.replicas = [_Series(families, (model_name, str(i))) for i in range(num_replicas)]
+        self.all = _Series(families, (model_name, "all"))
+        # per replica: (running, waiting, blocks in use, blocks in all) after its last step
+        self._last = [(0, 0, 0.0, 0)] * num_replicas
+        self._dead: set[int] = set()
+        self.dp_replicas = Gauge(
+            "llmlab:dp_replicas", "Data-parallel replicas started.", ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+        self.dp_replicas_alive = Gauge(
+            "llmlab:dp_replicas_alive", "Data-parallel replicas alive.", ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+        self._replica_alive = Gauge(
+            "llmlab:dp_replica_alive", "1 while the replica is alive, else 0.",
+            ["model_name", "engine"], registry=self.registry,
+        )
+        self.dp_replicas.set(num_replicas)
+        self.dp_replicas_alive.set(num_replicas)
+        for i in range(num_replicas):
+            self._replica_alive.labels(model_name, str(i)).set(1)
+        self._lock = threading.Lock()
+
+    def __call__(self, replica: int, event: StepEvent) -> None:
+        with self._lock:
+            self.replicas[replica].observe(event)
+            self.all.observe(event, gauges=False)
+            used = event.kv_usage * event.num_total_blocks
+            self._last[replica] = (event.num_running, event.num_waiting, used,
+                                   event.num_total_blocks)
+            self._set_totals()
+
+    def _set_totals(self) -> None:
+        live = [last for i, last in enumerate(self._last) if i not in self._dead]
+        self.all.num_requests_running.set(sum(r for r, _, _, _ in live))
+        self.all.num_requests_waiting.set(sum(w for _, w, _, _ in live))
+        total = sum(t for _, _, _, t in live)
+        self.all.kv_cache_usage_perc.set(sum(u for _, _, u, _ in live) / total if total else 0.0)
+
+    def _refresh_health(self) -> None:
+        if self._health is None:
+            return
+        statuses = self._health()
+        alive = 0
+        for status in statuses:
+            ok = status.status == "ok"
+            alive += ok
+            self._replica_alive.labels(self.model_name, str(status.index)).set(int(ok))
+            if not ok and status.index not in self._dead:
+                self._dead.add(status.index)
+                series = self.replicas[status.index]
+                series.num_requests_running.set(0)
+                series.num_requests_waiting.set(0)
+                series.kv_cache_usage_perc.set(0)
+        self.dp_replicas_alive.set(alive)
+        self._set_totals()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (replica health read now)."""
+        from prometheus_client import generate_latest
+
+        with self._lock:
+            self._refresh_health()
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from llmlab.distributed.data_parallel import ReplicaFailedError
 from llmlab.engine.async_engine import EngineDeadError, EngineError, RequestStream
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError
@@ -204,6 +205,8 @@ def _sse(model) -> str:
 def _sse_error(err: Exception) -> str:
     if isinstance(err, APIError):
         api = err
+    elif isinstance(err, ReplicaFailedError):  # its replica died: the server's fault
+        api = APIError(str(err), status=503, type="server_error")
     elif isinstance(err, RequestFailedError):
         api = APIError(str(err), status=400)
     elif isinstance(err, (EngineError, EngineDeadError)):

@@ -187,3 +187,36 @@ def test_kv_heads_fewer_than_ranks_must_replicate_evenly():
     with pytest.raises(ValueError, match="not a multiple of them"):
         TensorParallel(0, 4).kv_heads(3, 12)
     assert [TensorParallel(r, 3).vocab_range(10) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_the_async_engine_ends_streams_and_reports_dead_when_a_rank_dies(tiny_llama):
+    import asyncio
+
+    from llmlab.engine.async_engine import AsyncEngine, EngineDeadError
+    from llmlab.engine.builder import EngineBuilder
+
+    engine = EngineBuilder.from_settings(
+        tiny_llama, tensor_parallel_size=2, device="cpu", cpu_threads=1
+    ).build()
+    pid = engine.executor.workers.workers[0].process.pid
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def run():
+        stream = await async_engine.add_request(None, {"prompt_token_ids": [5, 6, 7]}, params)
+        received = 0
+        with pytest.raises(Exception, match=r"ExecutorDeadError: tensor-parallel worker rank 1"):
+            async for _ in stream:
+                received += 1
+                if received == 3:
+                    os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            await async_engine.check_health()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            await async_engine.add_request(None, [1, 2, 3], params)
+
+    try:
+        asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert not _tp_children()

@@ -1,0 +1,745 @@
+"""Data parallelism: N whole engine replicas in N processes behind one routing front end.
+
+    llm = LLM(model, data_parallel_size=2, router="prefix_aware")
+    llm.generate(prompts)                    # outputs in prompt order, as ever
+
+    llmlab serve MODEL --data-parallel-size 2 --router least_loaded
+
+:class:`DataParallelEngine` has the surface of :class:`~llmlab.engine.engine.Engine` that
+``LLM``, ``AsyncEngine`` and the server use (``prepare_request``, ``add_prepared_request``,
+``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``, ``subscribe``,
+...), so both drive it unchanged. It loads only the tokenizer: every request is checked
+and tokenized here, at the edge (a rejected request never reaches a replica), then a
+:class:`~llmlab.routing.policy.RoutingPolicy` picks a live replica for it (a request with
+``n > 1`` goes whole to one replica) and it is sent there.
+
+Each replica (:mod:`llmlab.distributed.replica_process`) builds a full engine and runs on
+its own, not in lock-step with the others; ``step()`` waits briefly for whatever the
+replicas have reported and returns those outputs. The router sees each replica through a
+:class:`RemoteReplica`: queue lengths from its latest ``StepEvent`` plus requests sent
+but not yet reported, outstanding tokens followed from its events (as
+:class:`~llmlab.routing.replica.EngineReplica` does in-process), and
+``cached_prefix_tokens`` from a shadow of its prefix index (``{block id: chained hash}``,
+fed by each step's cached blocks and evictions).
+
+Observers: ``subscribe(observer)`` hears every replica's ``StepEvent`` (their
+``step_index``, clocks and block ids are each replica's own);
+``subscribe(observer, replica=True)`` is called as ``observer(replica_index, event)``.
+
+Failures: a replica that dies (killed, crashed) is noticed by the next ``step()`` (its
+process sentinel, or EOF on its connection). Every request in flight there ends: its
+final output has ``finish_reason="abort"`` and ``step()`` raises a
+:class:`ReplicaFailedError` naming the replica and its exit status, one per request (as
+``Engine.step`` raises ``RequestFailedError``: ``AsyncEngine`` ends that stream with it).
+Requests are not retried elsewhere (one may have produced output already). New requests
+go to the live replicas only; with none left the engine is dead (:class:`ReplicasDeadError`).
+:meth:`DataParallelEngine.health` reports each replica.
+
+Shutdown: :meth:`DataParallelEngine.shutdown` (also on garbage collection and at
+interpreter exit) asks every replica to stop, then terminates and kills what is left,
+and its process group with it. A replica exits by itself when the front end dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+
+from llmlab import registry
+from llmlab.distributed.remote_replica import PromptHashes, RemoteReplica
+from llmlab.distributed.replica_handle import (
+    ProcessReplicaHandle,
+    ReplicaHandle,
+    describe_exit,
+    plan_devices,
+    stop_replicas,
+    wait_ready,
+)
+from llmlab.distributed.replica_process import (
+    AbortRequests,
+    AddRequest,
+    ReplicaInfo,
+    ReplicaSpec,
+    StepReport,
+)
+from llmlab.engine.builder import EngineBuilder, resolve_device
+from llmlab.engine.events import StepEvent, StepObserver, notify
+from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
+from llmlab.engine.outputs import CompletionOutput, RequestOutput
+from llmlab.errors import ComponentError, RequestFailedError, component_name
+from llmlab.routing.policy import check_choice
+from llmlab.sampling.params import SamplingParams
+from llmlab.threads import ENV_THREADS, available_cpus
+from llmlab.validation import as_request_ids
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DataParallelEngine",
+    "RemoteReplica",
+    "ReplicaFailedError",
+    "ReplicaStatus",
+    "ReplicasDeadError",
+    "build_engine",
+    "resolve_router",
+]
+
+DEFAULT_ROUTER = "round_robin"
+
+
+class ReplicaFailedError(RequestFailedError):
+    """A request ended because its replica died or failed; the message names the replica.
+
+    Attributes:
+        replica: the replica's index.
+    """
+
+    def __init__(self, request_id: str, reason: str, replica: int) -> None:
+        super().__init__(request_id, reason)
+        self.replica = replica
+
+
+class ReplicasDeadError(RuntimeError):
+    """Every replica is dead: the data-parallel engine cannot take requests."""
+
+
+@attrs.frozen
+class ReplicaStatus:
+    """One replica's health (:meth:`DataParallelEngine.health`).
+
+    Attributes:
+        index: the replica's index.
+        status: ``"ok"`` or ``"dead"``.
+        pid / exit_code: its process, and how it ended (None while it runs).
+        reason: why it is dead (None when ok).
+        num_requests: requests in flight there.
+    """
+
+    index: int
+    status: str
+    pid: int | None
+    exit_code: int | None = None
+    reason: str | None = None
+    num_requests: int = 0
+
+    def to_json(self) -> dict:
+        body: dict[str, Any] = {"index": self.index, "status": self.status}
+        if self.reason is not None:
+            body["reason"] = self.reason
+        return body
+
+
+class _Route(NamedTuple):
+    """What a router sees of a request (:class:`~llmlab.routing.policy.RouteRequest`)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    user: str | None
+    session: str | None
+
+
+@attrs.define
+class _InFlight:
+    """A request sent to a replica, until its final output (or failure)."""
+
+    replica: int
+    position: int  # its replica's index in the list the router saw (for on_finish)
+    command: int  # the replica's command count once it has this request (1-based)
+    prompt: str | None
+    prompt_token_ids: list[int]
+    member_ids: tuple[str, ...]  # the engine's ids of its samples (itself when n == 1)
+    n: int
+
+
+def resolve_router(router: Any) -> Any:
+    """A router instance from ``router``: None (``"round_robin"``), a registered name or
+    ``"module:Class"`` (``ValueError`` listing the names), or an instance (checked against
+    the ``router`` contract: ``TypeError`` naming a missing method)."""
+    if router is None:
+        router = DEFAULT_ROUTER
+    if isinstance(router, str):
+        router = registry.create("router", router)
+    elif isinstance(router, type):
+        raise TypeError(f"router must be an instance or a name, got the class {router.__name__}")
+    registry.check("router", router)
+    return router
+
+
+def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None,
+                 **settings: Any):
+    """The engine ``LLM(model, tokenizer, **settings)`` runs: an
+    :class:`~llmlab.engine.engine.Engine`, or with ``data_parallel_size > 1`` a
+    :class:`DataParallelEngine` routing with ``router``."""
+    builder = EngineBuilder.from_settings(model, tokenizer, **settings)  # checks settings
+    if builder.config.data_parallel_size > 1:
+        return DataParallelEngine.from_settings(model, tokenizer, router=router, **settings)
+    if router is not None:
+        resolve_router(router)  # a typo fails even when there is nothing to route
+    return builder.build()
+
+
+# Engines whose replicas still run, stopped at interpreter exit (before multiprocessing's
+# own exit handler, registered earlier, would wait for the non-daemonic replicas forever).
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_ATEXIT_REGISTERED = False
+
+
+def _shutdown_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine.shutdown()
+
+
+class DataParallelEngine:
+    """N engine replicas in N processes behind one front end (see the module docstring).
+
+    Build one with :meth:`from_settings` (or ``LLM(..., data_parallel_size=N)``,
+    :func:`build_engine`). Attributes: ``config`` (replica 0's, with
+    ``data_parallel_size=N``), ``tokenizer``, ``vocab_size``, ``max_model_len``,
+    ``eos_token_ids``, ``default_sampling_params``, ``max_logprobs``, ``inputs`` (the
+    :class:`~llmlab.engine.inputs.InputProcessor` every request passes here), ``router``,
+    ``replicas`` (a :class:`RemoteReplica` each).
+
+    ``step_timeout_s``: how long ``step()`` waits for a replica's report when none is
+    ready (``wake()`` ends the wait early: ``AsyncEngine`` calls it on new work).
+    """
+
+    def __init__(
+        self,
+        handles: Sequence[ReplicaHandle],
+        infos: Sequence[ReplicaInfo],
+        router: Any,
+        tokenizer: Any | None,
+        *,
+        step_timeout_s: float = 0.05,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        first = infos[0]
+        self.num_replicas = len(handles)
+        self.config = attrs.evolve(first.config, data_parallel_size=self.num_replicas)
+        self.tokenizer = tokenizer
+        self.vocab_size = first.vocab_size
+        self.max_model_len = min(i.max_model_len for i in infos)
+        self.eos_token_ids = first.eos_token_ids
+        self.default_sampling_params: SamplingParams = first.default_sampling_params
+        self.max_logprobs = first.max_logprobs
+        self.clock: Callable[[], float] = time.monotonic  # the replicas' clock too
+        self.grammars = None
+        if tokenizer is not None:
+            from llmlab.sampling.metadata import GrammarFactory
+
+            self.grammars = GrammarFactory(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.inputs = InputProcessor(
+            tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+            min(i.max_num_seqs for i in infos), first.block_size,
+            min(i.num_kv_blocks for i in infos), self.max_logprobs, self.grammars,
+        )
+        self.router = router
+        self.step_timeout_s = step_timeout_s
+        self._prompt_hashes = PromptHashes()
+        self.replicas = [
+            RemoteReplica(i, h, info, self._prompt_hashes)
+            for i, (h, info) in enumerate(zip(handles, infos, strict=True))
+        ]
+        self.observers: list[StepObserver] = []
+        self.replica_observers: list[Callable[[int, StepEvent], None]] = []
+        self._requests: dict[str, _InFlight] = {}
+        self._undelivered: list[RequestOutput] = []
+        self._failures: collections.deque[RequestFailedError] = collections.deque()
+        self._lock = threading.RLock()
+        self._closed = False
+        # A pipe whose read end step() also waits on: wake() ends the wait at once.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._finalizer = weakref.finalize(
+            self, stop_replicas, list(handles), stop_timeout_s, (self._wake_r, self._wake_w)
+        )
+        global _ATEXIT_REGISTERED
+        _LIVE_ENGINES.add(self)
+        if not _ATEXIT_REGISTERED:
+            atexit.register(_shutdown_live_engines)
+            _ATEXIT_REGISTERED = True
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(
+        cls,
+        model: str,
+        tokenizer: str | None = None,
+        *,
+        router: Any = None,
+        step_timeout_s: float = 0.05,
+        **settings: Any,
+    ) -> DataParallelEngine:
+        """Start ``data_parallel_size`` replicas, each built as ``LLM(model, tokenizer,
+        **settings)`` would build one engine, and return their front end once all are
+        ready (within ``distributed_timeout_s``).
+
+        Settings are checked here first (``ValueError``/``TypeError`` naming the field).
+        Components given as instances are pickled to each replica (each gets its own
+        copy), so they must be picklable: one that is not is a ``ValueError`` naming it.
+        On CUDA replica ``i`` gets devices ``i * tp`` to ``(i + 1) * tp - 1``
+        (:func:`~llmlab.distributed.replica_handle.plan_devices`: replicas sharing a
+        device split its ``gpu_memory_utilization`` and start in turn); on CPU each replica
+        uses ``cpu_threads`` threads (unset: an equal share of the cores). Replica ``i``
+        is seeded with ``seed + i``, so replicas do not draw the same random numbers.
+        """
+        cfg = EngineBuilder.from_settings(model, tokenizer, **settings).config
+        n = cfg.data_parallel_size
+        router = resolve_router(router)
+        resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process
+        _check_picklable(settings, n)
+        from llmlab.models.loader import resolve_model_path
+
+        # Once here (downloading if needed), so the replicas find it cached.
+        model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
+        plan = plan_devices(cfg.device, n, cfg.tensor_parallel_size,
+                            cfg.gpu_memory_utilization)
+        if cfg.distributed_executor_backend == "ray":
+            logger.info("data parallelism starts its replicas as processes; "
+                        "distributed_executor_backend='ray' applies inside each replica")
+        threads = cfg.cpu_threads
+        if (threads is None and plan.visible_devices[0] is None
+                and not os.environ.get(ENV_THREADS) and not os.environ.get("OMP_NUM_THREADS")):
+            threads = max(1, available_cpus() // n)  # n replicas share this machine's cores
+        handles = []
+        for i in range(n):
+            own = dict(settings, data_parallel_size=1, cpu_threads=threads,
+                       gpu_memory_utilization=plan.gpu_memory_utilization[i])
+            if cfg.seed is not None:
+                own["seed"] = cfg.seed + i
+            if plan.visible_devices[i] is not None:
+                own["device"] = "cuda"  # its own devices are the only ones it sees
+            spec = ReplicaSpec(i, model, tokenizer, own, plan.visible_devices[i], os.getpid())
+            handles.append(ProcessReplicaHandle(spec))
+        try:
+            text_tokenizer = None
+            ready: dict[int, ReplicaInfo] = {}
+            for wave in range(max(plan.waves) + 1):  # replicas sharing a device: in turn
+                group = [h for h, w in zip(handles, plan.waves, strict=True) if w == wave]
+                for handle in group:
+                    handle.start()
+                if wave == 0 and not cfg.skip_tokenizer_init:  # while the replicas build
+                    from llmlab.models.loader import load_tokenizer
+
+                    text_tokenizer = load_tokenizer(
+                        cfg.tokenizer or str(model_path),
+                        cfg.tokenizer_revision or cfg.revision,
+                        use_fast=cfg.tokenizer_mode != "slow", cache_dir=cfg.download_dir,
+                    )
+                infos = wait_ready(group, cfg.distributed_timeout_s)
+                ready.update((h.index, info) for h, info in zip(group, infos, strict=True))
+            infos = [ready[h.index] for h in handles]
+        except BaseException:
+            stop_replicas(handles, 5.0, ())
+            raise
+        engine = cls(handles, infos, router, text_tokenizer, step_timeout_s=step_timeout_s)
+        engine.config = attrs.evolve(
+            engine.config, device=cfg.device, cpu_threads=cfg.cpu_threads,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+        logger.info("data parallelism: %d replicas ready (pids %s), router %s", n,
+                    [i.pid for i in infos], component_name(router))
+        return engine
+
+    # -- requests ------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any | None:
+        return self.tokenizer
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> PreparedRequest:
+        """Check and tokenize a request here, without sending it anywhere (as
+        :meth:`Engine.prepare_request`); raises :class:`ReplicasDeadError` when no
+        replica is alive."""
+        if not self.is_alive:
+            raise ReplicasDeadError(self.dead_reason())
+        return self.inputs.prepare(
+            request_id, prompt, params, arrival_time, priority, user, self.clock()
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> None:
+        """Check, route and send a request (:meth:`Engine.add_request`'s arguments and
+        errors: on bad input nothing is sent)."""
+        self.add_prepared_request(
+            self.prepare_request(request_id, prompt, params, arrival_time, priority, user)
+        )
+
+    def add_prepared_request(self, prepared: PreparedRequest) -> None:
+        """Route a request checked by :meth:`prepare_request` to a live replica and send
+        it. Raises ``ValueError`` when its id is in use or it cannot be pickled (a custom
+        logits processor, say), :class:`ReplicasDeadError` when no replica lives."""
+        if not isinstance(prepared, PreparedRequest):
+            raise TypeError(
+                f"expected a PreparedRequest (from prepare_request), got {type(prepared).__name__}"
+            )
+        request_id = prepared.request_id
+        # The compiled grammar stays here: the replica compiles it again from the params.
+        try:
+            payload = pickle.dumps(AddRequest(attrs.evolve(prepared, grammar=None)),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises
+            raise ValueError(
+                f"request {request_id!r} cannot be sent to a replica process (data "
+                f"parallelism pickles each request; custom logits_processors must be "
+                f"picklable): {type(err).__name__}: {err}"
+            ) from err
+        params = prepared.params
+        num = params.num_samples
+        members = (request_id,) if num == 1 else tuple(f"{i}_{request_id}" for i in range(num))
+        prompt_ids = prepared.prompt_token_ids
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+        with self._lock:
+            if self._closed:
+                raise ReplicasDeadError("the data-parallel engine was shut down")
+            if request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            refused: set[int] = set()
+            while True:
+                live = [r for r in self.replicas if r.is_live and r.replica_index not in refused]
+                if not live:
+                    raise ReplicasDeadError(self.dead_reason())
+                position = self._route(
+                    _Route(request_id, tuple(prompt_ids), max_tokens, prepared.user, None), live
+                )
+                replica = live[position]
+                try:
+                    replica.handle.send_bytes(payload)
+                    break
+                except (OSError, EOFError, ValueError):
+                    # It died just now (step() will say so): nothing reached it, so another
+                    # replica may take the request.
+                    refused.add(replica.replica_index)
+            replica.commands_sent += 1
+            replica.requests.add(request_id)
+            replica.unreported.add(request_id)
+            for i, member in enumerate(members):
+                replica.routed(member, len(prompt_ids) if i == 0 else 0, max_tokens)
+            self._requests[request_id] = _InFlight(
+                replica.replica_index, position, replica.commands_sent, prepared.prompt,
+                list(prompt_ids), members, params.n,
+            )
+
+    def _route(self, request: _Route, live: list[RemoteReplica]) -> int:
+        for position, replica in enumerate(live):
+            replica.index = position  # a router sees positions in the list it is given
+        try:
+            answer = self.router.route(request, live)
+        except Exception as err:
+            raise ComponentError.wrap("router", self.router, "route", err) from err
+        return check_choice(self.router, answer, len(live))
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests wherever they are; no output of theirs is returned after this.
+        Unknown ids are ignored."""
+        ids = as_request_ids(request_id)
+        with self._lock:
+            by_replica: dict[int, list[str]] = {}
+            for rid in ids:
+                record = self._requests.pop(rid, None)
+                if record is None:
+                    continue
+                by_replica.setdefault(record.replica, []).append(rid)
+                self._finished(rid, record)
+            for index, rids in by_replica.items():
+                replica = self.replicas[index]
+                if not replica.is_live:
+                    continue
+                try:
+                    replica.handle.send_bytes(pickle.dumps(AbortRequests(tuple(rids))))
+                    replica.commands_sent += 1
+                except (OSError, EOFError, ValueError):
+                    pass  # it died: nothing of it is left to stop
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight (so it cannot be reused yet)."""
+        return request_id in self._requests
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests in flight, outputs not yet returned, or commands a live replica has
+        not answered yet (an abort's report, say)."""
+        if self._requests or self._undelivered or self._failures:
+            return True
+        return any(r.commands_sent > r.commands_done for r in self.replicas if r.is_live)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- observation ---------------------------------------------------------------------
+
+    def subscribe(self, observer: Callable, *, replica: bool = False) -> Callable:
+        """Call ``observer(event)`` for every replica's ``StepEvent`` (``step_index``,
+        clocks and block ids are per replica), or with ``replica=True``
+        ``observer(replica_index, event)``. Returns the observer; one that raises is
+        logged and skipped."""
+        (self.replica_observers if replica else self.observers).append(observer)
+        return observer
+
+    def unsubscribe(self, observer: Callable) -> None:
+        if observer in self.replica_observers:
+            self.replica_observers.remove(observer)
+        else:
+            self.observers.remove(observer)
+
+    def health(self) -> list[ReplicaStatus]:
+        """Each replica's status now (a replica whose process ended is ``"dead"`` even
+        before a step has noticed)."""
+        statuses = []
+        with self._lock:
+            for r in self.replicas:
+                handle = r.handle
+                reason = r.dead_reason
+                if reason is None and not handle.is_alive():
+                    reason = self._death_reason(r)
+                statuses.append(ReplicaStatus(
+                    r.replica_index, "ok" if reason is None else "dead", handle.pid,
+                    handle.exit_code, reason, len(r.requests),
+                ))
+        return statuses
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether at least one replica can take requests."""
+        return not self._closed and any(r.is_live for r in self.replicas)
+
+    def dead_reason(self) -> str:
+        if self._closed:
+            return "the data-parallel engine was shut down"
+        dead = [s.reason for s in self.health() if s.reason is not None]
+        return "every replica is dead: " + "; ".join(dead)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs the replicas reported since the last call, waiting up to
+        ``step_timeout_s`` when none has reported yet.
+
+        A request that failed (its replica died or failed it) raises
+        :class:`ReplicaFailedError`, one per call; its final output (``"abort"``) and the
+        call's other outputs come with the next call.
+        """
+        if self._failures:
+            raise self._failures.popleft()
+        timeout = 0.0 if self._undelivered else self.step_timeout_s
+        with self._lock:
+            if self._closed:
+                return []
+            replicas = [r for r in self.replicas if r.dead_reason is None]
+        waitables: list[Any] = [self._wake_r]
+        for r in replicas:
+            waitables.append(r.handle.connection)
+            if r.handle.sentinel is not None:
+                waitables.append(r.handle.sentinel)
+        ready = set(multiprocessing.connection.wait(waitables, timeout))
+        if self._wake_r in ready:
+            self._drain_wakeups()
+        with self._lock:
+            for r in replicas:
+                handle = r.handle
+                if handle.connection in ready or handle.sentinel in ready:
+                    self._read(r)
+            if self._failures:
+                raise self._failures.popleft()
+            outputs, self._undelivered = self._undelivered, []
+        return outputs
+
+    def wake(self) -> None:
+        """End a ``step()`` that is waiting for reports (from any thread): new work came."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or closed
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _read(self, replica: RemoteReplica) -> None:
+        """Apply every report the replica has sent; its death if it is gone."""
+        conn = replica.handle.connection
+        try:
+            while conn.poll(0):
+                message = conn.recv()
+                if isinstance(message, StepReport):
+                    self._apply(replica, message)
+                else:
+                    logger.error("replica %d sent an unexpected %r", replica.replica_index,
+                                 type(message).__name__)
+        except (EOFError, OSError):
+            self._died(replica)
+            return
+        if not replica.handle.is_alive():
+            self._died(replica)
+
+    def _apply(self, replica: RemoteReplica, report: StepReport) -> None:
+        replica.commands_done = report.commands_done
+        index = replica.replica_index
+        for event, cached in report.events:
+            replica.follow(event, cached)
+            notify(self.observers, event)
+            for observer in list(self.replica_observers):
+                try:
+                    observer(index, event)
+                except Exception:
+                    logger.exception("step observer %r raised on replica %d's step %d; it is "
+                                     "skipped for this event", observer, index, event.step_index)
+        for output in report.outputs:
+            record = self._current(output.request_id, replica, report)
+            if record is None:
+                continue  # aborted meanwhile, or an earlier request of the same id
+            if output.finished:
+                del self._requests[output.request_id]
+                self._finished(output.request_id, record)
+            self._undelivered.append(output)
+        for failures, error in ((report.refused, RequestFailedError),
+                                (report.failures, ReplicaFailedError)):
+            for request_id, reason in failures:
+                caller_id = self._caller_id(request_id)
+                record = self._current(caller_id, replica, report)
+                if record is not None:
+                    self._fail(caller_id, record, reason, error)
+
+    def _current(self, request_id: str, replica: RemoteReplica,
+                 report: StepReport) -> _InFlight | None:
+        """The request's record if this report is about it (sent to this replica, and
+        reported after the replica took it)."""
+        record = self._requests.get(request_id)
+        if (record is None or record.replica != replica.replica_index
+                or report.commands_done < record.command):
+            return None
+        return record
+
+    def _caller_id(self, request_id: str) -> str:
+        """The caller's id of a parallel sample's id ``"{i}_{request_id}"``."""
+        if request_id in self._requests:
+            return request_id
+        head, _, rest = request_id.partition("_")
+        return rest if head.isdigit() and rest in self._requests else request_id
+
+    def _finished(self, request_id: str, record: _InFlight) -> None:
+        """A request left (finished, aborted or failed): tell its replica view and the
+        router."""
+        replica = self.replicas[record.replica]
+        replica.requests.discard(request_id)
+        replica.unreported.discard(request_id)
+        on_finish = getattr(self.router, "on_finish", None)
+        if on_finish is not None:
+            try:
+                on_finish(request_id, record.position)
+            except Exception:
+                logger.exception("router %s raised in on_finish(%r)",
+                                 component_name(self.router), request_id)
+
+    def _fail(self, request_id: str, record: _InFlight, reason: str,
+              error: type[RequestFailedError] = None) -> None:
+        """End a request the replica (or its death) ended: a final ``"abort"`` output,
+        and the error ``step()`` raises for it (a :class:`ReplicaFailedError` unless the
+        engine itself refused the request: a plain ``RequestFailedError``, as one engine
+        raises it)."""
+        del self._requests[request_id]
+        self.replicas[record.replica].forget(record.member_ids)
+        self._finished(request_id, record)
+        self._undelivered.append(RequestOutput(
+            request_id, record.prompt, record.prompt_token_ids,
+            [CompletionOutput(i, "", [], None, finish_reason="abort") for i in range(record.n)],
+            finished=True,
+        ))
+        if error is RequestFailedError:
+            self._failures.append(RequestFailedError(request_id, reason))
+        else:
+            self._failures.append(ReplicaFailedError(request_id, reason, record.replica))
+
+    def _death_reason(self, replica: RemoteReplica) -> str:
+        handle = replica.handle
+        return (f"replica {replica.replica_index} (pid {handle.pid}) died "
+                f"({describe_exit(handle.exit_code)})")
+
+    def _died(self, replica: RemoteReplica) -> None:
+        """The replica is gone: fail what it held, route around it."""
+        if replica.dead_reason is not None:
+            return
+        replica.handle.stop(1.0)  # reaps it, and whatever it started
+        reason = self._death_reason(replica)
+        logger.error("%s; failing its %d request(s) in flight (requests are not retried)",
+                     reason, len(replica.requests))
+        for request_id in sorted(replica.requests):
+            record = self._requests.get(request_id)
+            if record is not None:
+                self._fail(request_id, record,
+                           f"{reason}; the request was lost with it (requests are not retried)")
+        replica.requests.clear()
+        replica.died(reason)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every replica (asked first, then terminated and killed after a timeout)
+        and forget the requests in flight. Idempotent; also runs when the engine is
+        garbage collected and at interpreter exit."""
+        with self._lock:
+            self._closed = True
+            self._requests.clear()
+            for replica in self.replicas:  # under the lock: no command is half sent
+                replica.handle.request_stop()
+        self._finalizer()
+        _LIVE_ENGINES.discard(self)
+
+    close = shutdown
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        live = sum(r.is_live for r in self.replicas)
+        return (f"DataParallelEngine(replicas={self.num_replicas}, live={live}, "
+                f"router={component_name(self.router)}, in_flight={len(self._requests)})")
+
+
+def _check_picklable(settings: dict[str, Any], num_replicas: int) -> None:
+    """Each setting reaches the replicas pickled: name the one that cannot be."""
+    for key, value in settings.items():
+        try:
+            pickle.dumps(value)
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises
+            raise ValueError(
+                f"{key}={value!r} cannot be sent to the replica processes: "
+                f"data_parallel_size={num_replicas} builds each replica in a process of its "
+                f"own, so components given as instances must be picklable ({type(err).__name__}: "
+                f"{err}); give it by registered name, or make it picklable"
+            ) from err

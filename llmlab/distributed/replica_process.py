@@ -1,0 +1,374 @@
+"""One data-parallel replica: a whole :class:`~llmlab.engine.engine.Engine` in a process
+of its own, driven by messages from the front end (:mod:`llmlab.distributed.data_parallel`).
+
+The messages are small frozen attrs classes, pickled over one duplex
+``multiprocessing`` connection:
+
+* front end -> replica: :class:`AddRequest` (a request the front end already checked and
+  tokenized), :class:`AbortRequests`, :class:`Shutdown`;
+* replica -> front end: :class:`ReplicaReady` (the engine's facts, once built) or
+  :class:`ReplicaStartFailed`, then one :class:`StepReport` per step that did anything.
+
+The replica runs on its own clock, not in lock-step with the others: it drains whatever
+commands have arrived, steps while it has work, and reports each step's outputs and
+``StepEvent`` with the chained hash of every block that entered its prefix index, so the
+front end can mirror the index as ``{block id: hash}`` (dropping ``blocks_evicted``) and
+answer a router's ``cached_prefix_tokens`` without asking.
+
+Nothing is orphaned: the replica exits when its connection reaches EOF (the front end
+closed it or died) and a watchdog thread ends it when its parent process changes, even in
+the middle of a step. It leads a process group of its own, so the front end can take down
+whatever the replica started (tensor-parallel workers) along with it.
+
+This module imports nothing heavy at the top: a spawned child sets ``CUDA_VISIBLE_DEVICES``
+before anything initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import attrs
+
+logger = logging.getLogger(__name__)
+
+# How often an idle replica, and the watchdog, look for a vanished parent.
+PARENT_CHECK_S = 0.5
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ReplicaSpec:
+    """What a replica process needs to build its engine.
+
+    Attributes:
+        index: the replica's index among the front end's replicas.
+        model / tokenizer: as given to ``LLM``.
+        settings: ``EngineConfig`` fields and components (instances are pickled copies:
+            each replica gets its own).
+        cuda_visible_devices: set in the child before CUDA starts (None: leave it).
+        parent_pid: the front end's process; the replica ends when it goes.
+    """
+
+    index: int
+    model: str
+    tokenizer: str | None
+    settings: dict[str, Any]
+    cuda_visible_devices: str | None
+    parent_pid: int
+
+
+@attrs.frozen
+class AddRequest:
+    """Queue a request (a ``PreparedRequest`` without its compiled grammar, which the
+    replica's engine compiles again from the parameters, from its own cache)."""
+
+    prepared: Any
+
+
+@attrs.frozen
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@attrs.frozen
+class Shutdown:
+    """Stop after the current step and exit."""
+
+
+@attrs.frozen
+class ReplicaInfo:
+    """The facts of a replica's built engine that the front end checks requests against."""
+
+    pid: int
+    config: Any
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    default_sampling_params: Any
+    max_logprobs: int
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+
+
+@attrs.frozen
+class ReplicaReady:
+    info: ReplicaInfo
+
+
+@attrs.frozen
+class ReplicaStartFailed:
+    """Building the engine raised: the error's type name, message and traceback."""
+
+    error_type: str
+    message: str
+    traceback: str
+
+
+@attrs.frozen
+class StepReport:
+    """What one step of the replica did.
+
+    Attributes:
+        commands_done: how many commands the replica has consumed in all, so far (the
+            front end has work while the count of commands it sent is higher).
+        outputs: the step's ``RequestOutput``s.
+        events: ``(StepEvent, ((block id, chained hash), ...))`` for each event, the
+            hashes of the event's ``blocks_cached``.
+        failures: ``(request id, reason)`` for each request the replica had to end (its
+            step failed, or it could not queue the request).
+        refused: ``(request id, reason)`` for each request its engine ended with a
+            ``RequestFailedError`` (one that can never fit the KV cache, say).
+    """
+
+    commands_done: int
+    outputs: list
+    events: tuple
+    failures: tuple[tuple[str, str], ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
+
+
+# -- the child process -----------------------------------------------------------------
+
+
+def replica_main(spec: ReplicaSpec, conn) -> None:
+    """The replica process's entry point (``multiprocessing`` spawn target)."""
+    if spec.cuda_visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    try:
+        os.setpgrp()  # a group of its own: the front end can end what this replica starts
+    except OSError:
+        pass
+    # Ctrl-C in a terminal goes to the front end, which shuts replicas down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(spec.parent_pid)
+    try:
+        engine = _build(spec)
+    except BaseException as err:  # noqa: BLE001 - reported to the front end, which raises
+        _send_quietly(conn, ReplicaStartFailed(
+            type(err).__name__, str(err), traceback.format_exc()
+        ))
+        return
+    try:
+        _ReplicaLoop(spec.index, engine, conn).run()
+    finally:
+        _close_engine(engine)
+
+
+def _build(spec: ReplicaSpec):
+    from llmlab.engine.builder import EngineBuilder
+
+    return EngineBuilder.from_settings(spec.model, spec.tokenizer, **spec.settings).build()
+
+
+def _close_engine(engine: Any) -> None:
+    """Stop what the engine started (a tensor-parallel executor's workers), if anything."""
+    for owner in (engine, getattr(engine, "executor", None)):
+        for name in ("shutdown", "close"):
+            close = getattr(owner, name, None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    logger.exception("closing the replica's engine failed")
+                return
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this process (and its group) as soon as the front end is gone, even while a
+    step runs: an orphaned replica would hold its device forever."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                try:
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                finally:
+                    os._exit(1)
+
+    threading.Thread(target=watch, name="llmlab-dp-parent-watch", daemon=True).start()
+
+
+def _send_quietly(conn, message: Any) -> None:
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass  # the front end is gone
+
+
+def cached_block_hashes(engine: Any, event: Any) -> tuple[tuple[int, int], ...]:
+    """``(block id, chained hash)`` of each block of ``event.blocks_cached``: what the
+    front end needs to mirror the engine's prefix index. Call it from an observer (inside
+    the step, after its commit), when the index holds every one of those blocks."""
+    index = engine.kv_cache.index
+    return tuple((block_id, index.hash_of(block_id)) for block_id in event.blocks_cached)
+
+
+class _Sender:
+    """Sends pickled reports from a thread of its own, so a front end that is slow to
+    read (or itself blocked sending commands) never stops this replica from reading its
+    commands: neither side can wait on the other forever. Messages are pickled by the
+    caller, in the loop thread, while the objects in them cannot change."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.failed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmlab-dp-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        self._queue.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            payload = self._queue.get()
+            if payload is None:
+                return
+            try:
+                self._conn.send_bytes(payload)
+            except (OSError, ValueError):
+                self.failed.set()  # the front end is gone; the loop sees EOF and exits
+                return
+
+
+class _ReplicaLoop:
+    """Drain commands, step while there is work, report each step."""
+
+    def __init__(self, index: int, engine: Any, conn) -> None:
+        self.index = index
+        self.engine = engine
+        self.conn = conn
+        self.commands_done = 0
+        self.commands_reported = 0
+        self.live: set[str] = set()  # caller request ids queued here, not yet finished
+        self.failures: list[tuple[str, str]] = []
+        self.refused: list[tuple[str, str]] = []
+        self.events: list = []
+        self.step_again = False
+        engine.subscribe(self._observe)
+        self.sender = _Sender(conn)
+
+    def run(self) -> None:
+        kv = self.engine.kv_cache
+        self.sender.send(ReplicaReady(ReplicaInfo(
+            pid=os.getpid(),
+            config=self.engine.config,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            eos_token_ids=frozenset(self.engine.eos_token_ids),
+            default_sampling_params=self.engine.default_sampling_params,
+            max_logprobs=self.engine.max_logprobs,
+            max_num_seqs=self.engine.scheduler.max_num_seqs,
+            block_size=kv.block_size,
+            num_kv_blocks=kv.num_blocks,
+            enable_prefix_caching=kv.enable_prefix_caching,
+        )))
+        try:
+            while True:
+                busy = self.step_again or self.engine.has_unfinished_requests()
+                consumed = self._drain(0.0 if busy else PARENT_CHECK_S)
+                if consumed is None or self.sender.failed.is_set():
+                    return  # shutdown, or the front end is gone
+                if busy or consumed or self.engine.has_unfinished_requests():
+                    self._step()
+        finally:
+            self.sender.close()
+
+    def _drain(self, timeout: float) -> int | None:
+        """Apply every command that has arrived (waiting up to ``timeout`` for the first);
+        how many, or None to stop."""
+        consumed = 0
+        try:
+            ready = self.conn.poll(timeout)
+            while ready:
+                command = self.conn.recv()
+                consumed += 1
+                self.commands_done += 1
+                if isinstance(command, Shutdown):
+                    return None
+                self._apply(command)
+                ready = self.conn.poll(0)
+        except (EOFError, OSError):
+            return None  # the front end closed the connection or died
+        return consumed
+
+    def _apply(self, command: Any) -> None:
+        engine = self.engine
+        if isinstance(command, AddRequest):
+            request_id = command.prepared.request_id
+            try:
+                engine.add_prepared_request(command.prepared)
+            except Exception as err:  # noqa: BLE001 - that request fails, nothing else
+                self.failures.append((request_id, self._reason(
+                    f"the request could not be queued: {type(err).__name__}: {err}"
+                )))
+                return
+            self.live.add(request_id)
+        elif isinstance(command, AbortRequests):
+            self.live.difference_update(command.request_ids)
+            try:
+                engine.abort_request(command.request_ids)
+            except Exception:  # noqa: BLE001 - a policy failed in remove(); state is consistent
+                logger.exception("replica %d: aborting %d request(s) raised", self.index,
+                                 len(command.request_ids))
+            self.step_again = True  # the next step reports the abort and frees blocks
+        else:
+            logger.error("replica %d: ignoring an unknown command %r", self.index, command)
+
+    def _step(self) -> None:
+        from llmlab.errors import RequestFailedError
+
+        self.step_again = False
+        outputs: list = []
+        try:
+            outputs = self.engine.step()
+        except RequestFailedError as err:
+            # The engine ended that request; its final output comes with the next step.
+            self.refused.append((err.request_id, str(err)))
+            self.step_again = True
+        except Exception as err:  # noqa: BLE001 - any other step error fails this replica's work
+            logger.exception("replica %d: a step failed; failing its requests", self.index)
+            reason = self._reason(f"the engine step failed: {type(err).__name__}: {err}")
+            failed = sorted(self.live)
+            self.failures.extend((rid, reason) for rid in failed)
+            self.live.clear()
+            try:
+                self.engine.abort_request(failed)
+            except Exception:  # noqa: BLE001
+                logger.exception("replica %d: aborting after a failed step also failed",
+                                 self.index)
+            self.step_again = True
+        for output in outputs:
+            if output.finished:
+                self.live.discard(output.request_id)
+        unreported = self.commands_done != self.commands_reported
+        if outputs or self.events or self.failures or self.refused or unreported:
+            report = StepReport(self.commands_done, outputs, tuple(self.events),
+                                tuple(self.failures), tuple(self.refused))
+            self.events, self.failures, self.refused = [], [], []
+            self.commands_reported = self.commands_done
+            self.sender.send(report)
+
+    def _observe(self, event: Any) -> None:
+        self.events.append((event, cached_block_hashes(self.engine, event)))
+
+    def _reason(self, detail: str) -> str:
+        return f"replica {self.index} (pid {os.getpid()}): {detail}"
