@@ -12,11 +12,13 @@ from llmlab.threads import set_wait_policy
 set_wait_policy()
 
 from llmlab.config import EngineConfig
+from llmlab.distributed.data_parallel import DataParallelEngine
 from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
+from llmlab.errors import ExecutorDeadError
 from llmlab.llm import LLM
 from llmlab.registry import register
 from llmlab.request import Request, RequestStatus
@@ -46,10 +48,12 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "DataParallelEngine",
     "Engine",
     "EngineBuilder",
     "EngineConfig",
     "EngineSnapshot",
+    "ExecutorDeadError",
     "GuidedDecodingParams",
     "LLMEngine",
     "Logprob",
