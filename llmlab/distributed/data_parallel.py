@@ -306,11 +306,12 @@ class DataParallelEngine:
 
         # Once here (downloading if needed), so the replicas find it cached.
         model_path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
+        on_ray = cfg.distributed_executor_backend == "ray"  # replicas as Ray actors
         plan = plan_devices(cfg.device, n, cfg.tensor_parallel_size,
-                            cfg.gpu_memory_utilization)
-        if cfg.distributed_executor_backend == "ray":
-            logger.info("data parallelism starts its replicas as processes; "
-                        "distributed_executor_backend='ray' applies inside each replica")
+                            cfg.gpu_memory_utilization, num_gpus=0 if on_ray else None)
+        handle_class: Any = ProcessReplicaHandle
+        if on_ray:  # Ray places each replica's GPUs (llmlab.distributed.ray_replicas)
+            from llmlab.distributed.ray_replicas import RayReplicaHandle as handle_class
         threads = cfg.cpu_threads
         if (threads is None and plan.visible_devices[0] is None
                 and not os.environ.get(ENV_THREADS) and not os.environ.get("OMP_NUM_THREADS")):
@@ -324,7 +325,7 @@ class DataParallelEngine:
             if plan.visible_devices[i] is not None:
                 own["device"] = "cuda"  # its own devices are the only ones it sees
             spec = ReplicaSpec(i, model, tokenizer, own, plan.visible_devices[i], os.getpid())
-            handles.append(ProcessReplicaHandle(spec))
+            handles.append(handle_class(spec))
         try:
             text_tokenizer = None
             ready: dict[int, ReplicaInfo] = {}
@@ -684,8 +685,9 @@ class DataParallelEngine:
 
     def _death_reason(self, replica: RemoteReplica) -> str:
         handle = replica.handle
+        how = getattr(handle, "describe_exit", None)  # a Ray actor says how it ended
         return (f"replica {replica.replica_index} (pid {handle.pid}) died "
-                f"({describe_exit(handle.exit_code)})")
+                f"({how() if how else describe_exit(handle.exit_code)})")
 
     def _died(self, replica: RemoteReplica) -> None:
         """The replica is gone: fail what it held, route around it."""

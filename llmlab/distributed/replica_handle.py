@@ -2,9 +2,10 @@
 see it die, stop it.
 
 :class:`ReplicaHandle` is the seam: :class:`ProcessReplicaHandle` runs the replica in a
-process started with ``torch.multiprocessing`` (spawn); a Ray actor replica would be one
-more class with the same members (its ``connection`` a pipe fed by a thread that
-awaits the actor's reports, its ``sentinel`` None). :func:`plan_devices` says which
+process started with ``torch.multiprocessing`` (spawn);
+:class:`~llmlab.distributed.ray_replicas.RayReplicaHandle` runs it in a Ray actor that
+connects back over an authenticated ``multiprocessing.connection`` socket (and says how
+it ended with ``describe_exit()``). :func:`plan_devices` says which
 devices each replica gets; :func:`wait_ready` waits for replicas to build their engines and
 :func:`stop_replicas` stops them.
 """
@@ -281,11 +282,12 @@ def wait_ready(handles: Sequence[ReplicaHandle], timeout_s: float) -> list[Repli
                 raise _start_error(handle.index, message)
             elif not handle.is_alive() or message is None and handle.connection in ready:
                 handle.stop(1.0)
+                how = getattr(handle, "describe_exit", None)  # a Ray actor says how
                 raise RuntimeError(
                     f"replica {handle.index} (pid {handle.pid}) died while starting "
-                    f"({describe_exit(handle.exit_code)}); see its error above. Replicas are "
-                    "spawned processes: a script that starts them must do so under "
-                    "`if __name__ == '__main__':`"
+                    f"({how() if how else describe_exit(handle.exit_code)}); see its error "
+                    "above. Replicas started as processes are spawned: a script that starts "
+                    "them must do so under `if __name__ == '__main__':`"
                 )
     return [infos[h.index] for h in handles]
 
