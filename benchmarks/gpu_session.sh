@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh [STAGE] [pytest args...]
 #
 # STAGE: tests (the suite on CUDA, pytest-xdist), throughput (benchmarks.throughput --device
-# cuda), tests+throughput, bench (benchmarks.attention, then throughput), or all (the
+# cuda), tests+throughput, bench (benchmarks.attention, then throughput), distributed
+# (benchmarks.gpu_distributed: data-parallel replicas sharing the GPU), or all (the
 # default: tests, then benchmarks.attention; about 10 minutes, one call's limit).
 #
 # Missing Python packages travel as wheels in .whl/ (installed into /tmp/site), because that
@@ -45,6 +46,13 @@ if [ "$stage" = tests ] || [ "$stage" = all ] || [ "$stage" = tests+throughput ]
     grep -E "(FAILED|ERROR) tests/" "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' \
         | cut -c1-200 | sort -u | head -80
     tail -3 "$OUT/pytest.log"
+fi
+
+if [ "$stage" = distributed ]; then
+    timeout -k 10 "${DIST_TIMEOUT:-240}" python3 -m benchmarks.gpu_distributed \
+        > "$OUT/distributed.log" 2>&1
+    echo "distributed exit $?"
+    tail -20 "$OUT/distributed.log"
 fi
 
 if [ "$stage" = bench ] || [ "$stage" = all ]; then

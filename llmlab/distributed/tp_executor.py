@@ -274,7 +274,9 @@ def _await_workers(group: WorkerGroup, store, size: int, timeout_s: float) -> No
             worker = gone[0]
             raise RuntimeError(
                 f"tensor-parallel worker rank {worker.rank} died while starting "
-                f"({worker.describe_exit()}); see its log above"
+                f"({worker.describe_exit()}); see its log above. Workers are spawned "
+                "processes: a script that builds a tensor-parallel engine must do so under "
+                "`if __name__ == '__main__':`"
             )
         if time.monotonic() > deadline:
             raise TimeoutError(
