@@ -220,3 +220,24 @@ def test_the_async_engine_ends_streams_and_reports_dead_when_a_rank_dies(tiny_ll
     finally:
         async_engine.shutdown()
     assert not _tp_children()
+
+
+def test_speculative_decoding_on_two_ranks_gives_the_plain_tokens(tiny_llama):
+    """Every rank drafts (n-gram) and verifies the same way, so the drafts, the verified
+    tokens and the batches stay the same on both ranks."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 4}, {"prompt_token_ids": list(range(3, 30)) * 2}]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(tiny_llama, device="cpu", cpu_threads=1).generate(prompts, params,
+                                                                  use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "speculation_length": "fixed"}
+    llm = LLM(tiny_llama, device="cpu", cpu_threads=1, speculative_config=spec,
+              tensor_parallel_size=2)
+    events = []
+    llm.llm_engine.subscribe(events.append)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(d for e in events for _, d, _ in e.speculated) > 0  # drafts were verified
