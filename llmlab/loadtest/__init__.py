@@ -8,9 +8,11 @@ From a notebook (Jupyter already runs an event loop, so ``await`` works directly
     from llmlab.loadtest import BenchConfig, benchmark
     result = await benchmark(BenchConfig(num_prompts=50, request_rate=4.0))
 
-Every request streams. The client has no tokenizer, so token counts come from the server's
-final ``usage`` chunk; without one, output tokens fall back to the number of text chunks and
-input tokens to the prompt's word count.
+Every request streams. Random prompts are so many tokens of the server's tokenizer (through
+its ``/tokenize`` and ``/detokenize``) or of ``--tokenizer``; words (about a token each) when
+there is neither. Token counts come from the server's final ``usage`` chunk; without one,
+output tokens fall back to the number of text chunks and input tokens to the prompt's
+length.
 
 Definitions (vLLM's; the report gives times in ms):
 

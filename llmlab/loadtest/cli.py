@@ -35,11 +35,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--dataset-path", default=None,
         help="JSON list of strings, of {prompt, max_tokens} objects, or ShareGPT entries")
     add("--num-prompts", type=int, default=100)
-    add("--random-input-len", type=int, default=128, help="prompt words (~tokens)")
+    add("--tokenizer", default=None,
+        help="HF tokenizer counting random prompts' tokens; default: the server's /tokenize")
+    add("--random-input-len", type=int, default=128,
+        help="prompt tokens (words when neither --tokenizer nor the server's /tokenize)")
     add("--random-output-len", type=int, default=64, help="max_tokens of random prompts")
     add("--random-range-ratio", type=float, default=0.0,
         help="lengths uniform in [len*(1-r), len*(1+r)]")
-    add("--random-prefix-len", type=int, default=0, help="words of a prefix every prompt shares")
+    add("--random-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares")
     add("--json-output-len", type=int, default=None, help="override max_tokens of JSON prompts")
     add("--request-rate", type=float, default=math.inf,
         help="requests per second (default inf: all at once)")
@@ -73,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=args.base_url, endpoint=args.endpoint, model=args.model, **api_key,
         dataset_name=args.dataset_name, dataset_path=args.dataset_path,
+        tokenizer=args.tokenizer,
         num_prompts=args.num_prompts, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
         random_prefix_len=args.random_prefix_len, json_output_len=args.json_output_len,

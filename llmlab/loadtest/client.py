@@ -27,7 +27,8 @@ class RequestResult:
     """What happened to one request (seconds; ``send_s`` counts from the run's start).
 
     ``prompt_tokens`` and ``output_tokens`` are the server's ``usage`` when it sent one, else
-    the prompt's word count and the number of text chunks.
+    the prompt's length (tokens, or words without a tokenizer) and the number of text
+    chunks.
     """
 
     prompt_tokens: int
@@ -222,11 +223,74 @@ def _settings(config: BenchConfig, model: str) -> dict[str, Any]:
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
         "seed": config.seed,
+        "tokenizer": config.tokenizer,
         "ignore_eos": config.ignore_eos,
         "temperature": config.temperature,
         "percentile_metrics": list(config.percentile_metrics),
         "metric_percentiles": list(config.metric_percentiles),
     }
+
+
+@attrs.define
+class RemoteTokenizer:
+    """The served model's tokenizer, through the server's ``POST /tokenize`` and
+    ``POST /detokenize`` (llmlab's and vLLM's), without special tokens."""
+
+    client: httpx.Client
+    base_url: str
+    model: str
+    headers: dict
+
+    def _post(self, path: str, body: dict) -> dict:
+        response = self.client.post(f"{self.base_url}{path}", json={"model": self.model, **body},
+                                    headers=self.headers)
+        response.raise_for_status()
+        return response.json()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._post("/tokenize", {"prompt": text, "add_special_tokens": False})
+                    ["tokens"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._post("/detokenize", {"tokens": list(token_ids)})["prompt"])
+
+
+@attrs.define
+class _LocalTokenizer:
+    """A Hugging Face tokenizer (``--tokenizer``), without special tokens."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+
+def _sample(config: BenchConfig, model: str, headers: dict) -> tuple[list[BenchRequest], str]:
+    """The dataset's requests, and what their lengths count: random ones ``"tokens"`` of
+    ``config.tokenizer``, else of the server's tokenizer through ``/tokenize``; ``"words"``
+    when the server has no ``/tokenize`` either."""
+    import httpx
+
+    if config.dataset_name != "random":
+        return sample_requests(config), "words"  # a file's prompts: their word counts
+    if config.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            loaded = AutoTokenizer.from_pretrained(config.tokenizer)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot load the tokenizer {config.tokenizer!r}: {err}") from None
+        return sample_requests(config, _LocalTokenizer(loaded)), "tokens"
+    with httpx.Client(timeout=60.0) as client:
+        remote = RemoteTokenizer(client, config.base_url, model, headers)
+        try:
+            remote.encode("hello")
+        except (httpx.HTTPError, ValueError, LookupError, TypeError):
+            return sample_requests(config), "words"  # no /tokenize here: about a token a word
+        return sample_requests(config, remote), "tokens"
 
 
 async def benchmark(
@@ -241,13 +305,15 @@ async def benchmark(
     """
     import httpx
 
-    if requests is None:
-        requests = sample_requests(config)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    unit = "given"
     # No pool limit: httpx's default of 100 connections would cap concurrency unasked.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
         model = await _resolve_model(client, config, headers)
+        if requests is None:
+            requests, unit = await asyncio.to_thread(_sample, config, model, headers)
         results, duration_s = await _run_requests(client, config, model, requests, headers)
     summary = summarize(results, duration_s, config.percentile_metrics, config.metric_percentiles)
-    return {**_settings(config, model), **summary, "requests": [r.as_dict() for r in results]}
+    settings = {**_settings(config, model), "prompt_len_unit": unit}
+    return {**settings, **summary, "requests": [r.as_dict() for r in results]}

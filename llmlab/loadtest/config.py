@@ -76,10 +76,14 @@ class BenchConfig:
         dataset_name: ``"random"`` (random words) or ``"json"`` (``dataset_path``).
         dataset_path: a JSON (or ``.jsonl``) file, see :func:`load_json_requests`.
         num_prompts: requests to send.
-        random_input_len, random_output_len: prompt words and ``max_tokens`` of the random
+        tokenizer: a Hugging Face tokenizer (path or name) to count random prompts' tokens
+            with; None uses the server's own through ``/tokenize`` and ``/detokenize``
+            (llmlab's and vLLM's), and words (about a token each) if it has none.
+        random_input_len, random_output_len: prompt tokens and ``max_tokens`` of the random
             dataset, each drawn uniformly from ``[len * (1 - r), len * (1 + r)]`` with
-            ``r = random_range_ratio``.
-        random_prefix_len: words of one random prefix shared by every random prompt
+            ``r = random_range_ratio`` (tokens as ``vllm bench serve`` counts them: the
+            prompt text's, without the BOS the server adds).
+        random_prefix_len: tokens of one random prefix shared by every random prompt
             (to exercise prefix caching).
         json_output_len: ``max_tokens`` of every JSON prompt, overriding the file's.
         request_rate: mean requests per second; ``inf`` sends all at once.
@@ -108,6 +112,10 @@ class BenchConfig:
         converter=functools.partial(as_choice, "dataset_name", choices=("random", "json")),
     )
     dataset_path: str | None = attrs.field(default=None)
+    tokenizer: str | None = attrs.field(
+        default=None,
+        converter=functools.partial(as_str, "tokenizer", allow_none=True, allow_empty=False),
+    )
     num_prompts: int = attrs.field(default=100, converter=_positive("num_prompts"))
     random_input_len: int = attrs.field(default=128, converter=_positive("random_input_len"))
     random_output_len: int = attrs.field(default=64, converter=_positive("random_output_len"))

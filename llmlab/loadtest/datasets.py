@@ -1,5 +1,5 @@
-"""The prompts a load test sends (random words, or a JSON / ShareGPT file) and when each
-arrives."""
+"""The prompts a load test sends (random text of so many tokens, or a JSON / ShareGPT file)
+and when each arrives."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -40,8 +41,9 @@ WORDS = tuple(_WORD_TEXT.split())
 
 @attrs.frozen
 class BenchRequest:
-    """One prompt to send: its text, its ``max_tokens``, and its word count (the input-token
-    estimate when the server reports no usage)."""
+    """One prompt to send: its text, its ``max_tokens``, and its length (tokens of a random
+    prompt made with a tokenizer, else words: the input-token estimate when the server
+    reports no usage)."""
 
     prompt: str
     output_len: int
@@ -54,6 +56,15 @@ def _uniform_lens(rng: np.random.Generator, length: int, ratio: float, size: int
     return rng.integers(low, high, size=size, endpoint=True)
 
 
+class Tokenizer(Protocol):
+    """What the random dataset needs of a tokenizer: text to ids without special tokens,
+    and back (:class:`~llmlab.loadtest.client.RemoteTokenizer` asks the server)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
 def random_requests(
     num_prompts: int,
     input_len: int,
@@ -61,18 +72,49 @@ def random_requests(
     range_ratio: float = 0.0,
     prefix_len: int = 0,
     seed: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> list[BenchRequest]:
-    """Prompts of random :data:`WORDS` (a shared prefix of ``prefix_len`` words, then about
-    ``input_len`` more), each asking for about ``output_len`` tokens."""
+    """Random prompts: a shared prefix of ``prefix_len``, then about ``input_len`` more,
+    each asking for about ``output_len`` tokens.
+
+    With a ``tokenizer`` the lengths are tokens, as in ``vllm bench serve``: random
+    :data:`WORDS`, tokenized, cut to the length and decoded (re-cut until the text
+    tokenizes back to exactly that many tokens, the server's BOS not counted), and
+    ``prompt_len`` is that count. Without one they are words (about one token each)."""
     rng = np.random.default_rng(seed)
     input_lens = _uniform_lens(rng, input_len, range_ratio, num_prompts)
     output_lens = _uniform_lens(rng, output_len, range_ratio, num_prompts)
     prefix = list(rng.choice(WORDS, size=prefix_len))
     requests = []
+    if tokenizer is not None:
+        prefix_text = _token_text(tokenizer, prefix, prefix_len) if prefix_len else ""
+        for num_tokens, num_out in zip(input_lens, output_lens):
+            words = list(rng.choice(WORDS, size=int(num_tokens)))
+            body = _token_text(tokenizer, words, int(num_tokens))
+            text = f"{prefix_text} {body}" if prefix_text else body
+            # the joined text is counted whole: a prefix may merge with the first word
+            requests.append(BenchRequest(text, int(num_out), len(tokenizer.encode(text))))
+        return requests
     for num_words, num_out in zip(input_lens, output_lens):
         words = prefix + list(rng.choice(WORDS, size=int(num_words)))
         requests.append(BenchRequest(" ".join(words), int(num_out), len(words)))
     return requests
+
+
+def _token_text(tokenizer: Tokenizer, words: list[str], num_tokens: int) -> str:
+    """Text of ``words`` that tokenizes to ``num_tokens`` tokens (every word is at least
+    one token, so ``words`` holds enough; a decode that tokenizes back differently, at the
+    cut, is re-cut a few times)."""
+    pool = tokenizer.encode(" ".join(words))
+    keep = num_tokens
+    text = tokenizer.decode(pool[:keep])
+    for _ in range(4):
+        got = len(tokenizer.encode(text))
+        if got == num_tokens or not 0 < keep + num_tokens - got <= len(pool):
+            break
+        keep += num_tokens - got
+        text = tokenizer.decode(pool[:keep])
+    return text
 
 
 def _read_entries(path: Path) -> list:
@@ -170,13 +212,16 @@ def load_json_requests(
     return [requests[i % len(requests)] for i in range(num_prompts)]
 
 
-def sample_requests(config: BenchConfig) -> list[BenchRequest]:
-    """The requests ``config`` describes."""
+def sample_requests(
+    config: BenchConfig, tokenizer: Tokenizer | None = None
+) -> list[BenchRequest]:
+    """The requests ``config`` describes (random lengths in tokens of ``tokenizer``, else
+    in words)."""
     if config.dataset_name == "json":
         return load_json_requests(config.dataset_path, config.num_prompts, config.json_output_len)
     return random_requests(
         config.num_prompts, config.random_input_len, config.random_output_len,
-        config.random_range_ratio, config.random_prefix_len, config.seed,
+        config.random_range_ratio, config.random_prefix_len, config.seed, tokenizer,
     )
 
 

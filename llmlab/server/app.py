@@ -2,8 +2,9 @@
 
 :func:`build_app` wraps an :class:`~llmlab.engine.async_engine.AsyncEngine`. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
-with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
-``GET /metrics`` (Prometheus).
+with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (with
+``enable_tokenizer_info_endpoint``), ``GET /health``, ``GET /version``, ``GET /metrics``
+(Prometheus).
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
@@ -71,6 +72,10 @@ def build_app(
     max_prompts_per_request: int = 256,
     max_sequences_per_request: int = 1024,
     max_queued_sequences: int = 4096,
+    return_tokens_as_token_ids: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
+    response_role: str = "assistant",
+    root_path: str | None = None,
 ):
     """The FastAPI app serving ``engine``.
 
@@ -86,15 +91,30 @@ def build_app(
     beyond it a 429 with ``Retry-After``): see :class:`OpenAIServing`. ``allowed_origins``:
     CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
+    ``return_tokens_as_token_ids``: the default of the request field of that name (vLLM's
+    ``--return-tokens-as-token-ids``): logprob tokens as ``"token_id:{id}"``.
+    ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (vLLM's flag of that
+    name; off by default as there: it shows the chat template and tokenizer settings; turn
+    it on for lm-eval's ``tokenizer_backend=remote``, which reads it, then ``/tokenize``
+    and ``/detokenize``). Behind the API key, as ``/tokenize`` is.
+    ``response_role``: the role of chat responses' messages (vLLM's ``--response-role``).
+    ``root_path``: the path prefix a proxy serves this app under (FastAPI's ``root_path``).
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_names must be non-empty strings, got {names!r}")
+    if not isinstance(response_role, str) or not response_role:
+        raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
+    root = (root_path or "").rstrip("/")
+    if root and not root.startswith("/"):
+        raise ValueError(f"root_path must start with '/', got {root_path!r}")
     serving = OpenAIServing(engine, names, model_path=model_path, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             max_prompts_per_request=max_prompts_per_request,
                             max_sequences_per_request=max_sequences_per_request,
-                            max_queued_sequences=max_queued_sequences)
+                            max_queued_sequences=max_queued_sequences,
+                            return_tokens_as_token_ids=return_tokens_as_token_ids,
+                            response_role=response_role)
     if isinstance(engine.engine, DataParallelEngine):
         # Series per replica (engine="0", ...) and for all of them (engine="all").
         dp = engine.engine
@@ -138,16 +158,24 @@ def build_app(
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         protected = set(_KEYED_PATHS)
+        if enable_tokenizer_info_endpoint:
+            protected.add("/tokenizer_info")
         if not open_metrics:
             protected.add("/metrics")
         if not open_docs:
             protected.update(_DOC_PATHS)
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, paths=frozenset(protected))
+    if root:
+        # Outermost: what FastAPI(root_path=...) did before FastAPI deprecated it.
+        app.add_middleware(_RootPathMiddleware, root_path=root)
 
     # Declares the bearer scheme in /openapi.json; the middleware above enforces it (before
     # the body is even read, so a bad key is a 401 whatever the body holds).
     app.include_router(v1, dependencies=[Depends(_bearer)] if api_key else [])
     app.include_router(router)
+    if enable_tokenizer_info_endpoint:
+        app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"],
+                          response_model=p.TokenizerInfoResponse, responses=_PLAIN_ERRORS)
     _truthful_openapi(app)
     return app
 
@@ -270,6 +298,11 @@ async def detokenize(body: p.DetokenizeRequest, serving: Serving):
     return await _run(asyncio.to_thread(serving.detokenize, body))
 
 
+async def tokenizer_info(serving: Serving):
+    """``GET /tokenizer_info`` (only with ``enable_tokenizer_info_endpoint``)."""
+    return await _run(asyncio.to_thread(serving.tokenizer_info))
+
+
 @router.get("/health", response_class=Response,
             responses={200: {"description": "Healthy (empty body), or degraded: some "
                              "data-parallel replicas are dead (a JSON body says which)"},
@@ -359,6 +392,31 @@ _KEYED_PATHS = ("/tokenize", "/detokenize")
 _DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
+def _route_path(scope) -> str:
+    """The path the app routes on: without the ``root_path`` prefix when a proxy passed it
+    on (as Starlette's router strips it), so ``/prefix/v1/...`` is guarded as ``/v1/...``."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+class _RootPathMiddleware:
+    """Serve under ``root_path`` (a proxy's prefix): requests may come with the prefix
+    (routed without it) or without it (a proxy that strips it), and ``/openapi.json``
+    names the prefix as its server, as uvicorn's ``--root-path`` does."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 class _APIKeyMiddleware:
     """Require ``Authorization: Bearer KEY`` on every ``/v1`` route and on ``paths`` (pure
     ASGI, so the key is checked before the body is read)."""
@@ -369,7 +427,7 @@ class _APIKeyMiddleware:
         self.paths = paths
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
+        path = _route_path(scope)
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
             path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.paths
         ):

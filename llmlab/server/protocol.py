@@ -123,6 +123,8 @@ class _SamplingFields(_Request):
     structured_outputs: StructuredOutputs | None = None
     priority: Int = 0
     use_beam_search: Bool = False
+    # logprob tokens as "token_id:{id}"; None: the server's default
+    return_tokens_as_token_ids: Bool | None = None
 
 
 # -- completions ---------------------------------------------------------------------------
@@ -152,12 +154,29 @@ class UsageInfo(_Response):
     total_tokens: int = 0
 
 
-class CompletionChoice(_Response):
+class PromptLogprob(_Response):
+    """One token's logprob at a prompt position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: one entry per prompt token, None for the first, else
+# ``{token_id: PromptLogprob}`` (the prompt's token and the top ``prompt_logprobs``).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionStreamChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -176,7 +195,7 @@ class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 
@@ -248,6 +267,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Response):
@@ -320,6 +340,16 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info``: the tokenizer's configuration (vLLM's), its class name and
+    whatever else the tokenizer was configured with (special tokens, ``model_max_length``,
+    ``chat_template``, ``added_tokens_decoder``, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
 
 
 class VersionResponse(_Response):

@@ -18,7 +18,7 @@ from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected
-from llmlab.server.logprobs import _chat_logprobs, _LogprobText
+from llmlab.server.logprobs import _chat_logprobs, _LogprobText, _prompt_logprobs
 from llmlab.server.request_params import _default
 
 if TYPE_CHECKING:
@@ -34,12 +34,19 @@ class _CompletionRun:
     model: str
     prompts: list[_Prompt]
     streams: list[RequestStream]
+    # echo with max_tokens=0: each choice is the prompt alone (its one generated token and
+    # that token's logprobs are dropped), finish_reason "length", no completion tokens
+    echo_only: bool = False
     id: str = attrs.field(factory=lambda: p.random_id("cmpl"))
     created: int = attrs.field(factory=p.now)
 
     @property
     def n(self) -> int:
         return _default(self.request.n, 1)
+
+    @property
+    def _as_ids(self) -> bool:
+        return _as_ids(self.serving, self.request)
 
     def _prompt_text(self, i: int) -> str:
         prompt = self.prompts[i]
@@ -51,24 +58,34 @@ class _CompletionRun:
         finals = await asyncio.gather(*(_last(s) for s in self.streams))
         choices = []
         completion_tokens = 0
+        tokenizer = self.serving.tokenizer
         for i, out in enumerate(finals):
+            prompt_logprobs = None
+            if self.request.prompt_logprobs is not None:
+                prompt_logprobs = _prompt_logprobs(tokenizer, out.prompt_logprobs)
             for c in out.outputs:
-                text = c.text
+                text = "" if self.echo_only else c.text
                 logprobs = None
                 if self.request.logprobs is not None:
-                    logprobs = _LogprobText(self.serving.tokenizer)
+                    logprobs = _LogprobText(tokenizer, self._as_ids)
                     if self.request.echo:
-                        logprobs.add(self.prompts[i].token_ids, out.prompt_logprobs,
+                        logprobs.add(out.prompt_token_ids, out.prompt_logprobs,
                                      self.request.logprobs)
-                    logprobs.add(c.token_ids, c.logprobs, self.request.logprobs)
+                    if not self.echo_only:
+                        logprobs.add(c.token_ids, c.logprobs, self.request.logprobs)
                     logprobs = logprobs.result
                 if self.request.echo:
                     text = self._prompt_text(i) + text
+                finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                if self.echo_only:
+                    finish_reason, stop_reason = "length", None
+                else:
+                    completion_tokens += len(c.token_ids)
                 choices.append(p.CompletionChoice(
                     index=i * self.n + c.index, text=text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    finish_reason=finish_reason, stop_reason=stop_reason,
+                    prompt_logprobs=prompt_logprobs,
                 ))
-                completion_tokens += len(c.token_ids)
         choices.sort(key=lambda c: c.index)
         prompt_tokens = sum(len(pr.token_ids) for pr in self.prompts)
         return p.CompletionResponse(
@@ -79,32 +96,50 @@ class _CompletionRun:
     async def stream(self) -> AsyncIterator[str]:
         completion_tokens = 0
         echoed: set[int] = set()
+        prompt_sent: set[int] = set()
+        continuous = _continuous_usage(self.request)
+        so_far: dict[int, int] = {}  # completion tokens per choice, for continuous usage
         offsets: dict[int, _LogprobText] = {}
+        # the prompt's logprobs come with a prompt's first output only
+        prompt_positions: dict[int, list] = {}
         try:
             async for i, out in _merge(self.streams):
+                if out.prompt_logprobs is not None:
+                    prompt_positions.setdefault(i, out.prompt_logprobs)
                 for c in out.outputs:
                     index = i * self.n + c.index
-                    text = c.text
+                    text, token_ids, positions = c.text, c.token_ids, c.logprobs
+                    finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                    if self.echo_only:
+                        if not c.finish_reason:
+                            continue
+                        text, token_ids, positions = "", [], []
+                        finish_reason, stop_reason = "length", None
                     if self.request.echo and index not in echoed:
                         echoed.add(index)
                         text = self._prompt_text(i) + text
                     logprobs = None
                     if self.request.logprobs is not None:
-                        lp = offsets.setdefault(index, _LogprobText(self.serving.tokenizer))
+                        lp = offsets.setdefault(
+                            index, _LogprobText(self.serving.tokenizer, self._as_ids))
                         lp.reset()
-                        if self.request.echo and out.prompt_logprobs is not None:
-                            lp.add(self.prompts[i].token_ids, out.prompt_logprobs,
+                        if self.request.echo and index not in prompt_sent:
+                            prompt_sent.add(index)
+                            lp.add(out.prompt_token_ids, prompt_positions.get(i),
                                    self.request.logprobs)
-                        lp.add(c.token_ids, c.logprobs, self.request.logprobs)
+                        lp.add(token_ids, positions, self.request.logprobs)
                         logprobs = lp.result
-                    completion_tokens += len(c.token_ids)
-                    if not (text or c.finish_reason or logprobs):
+                    completion_tokens += len(token_ids)
+                    so_far[index] = so_far.get(index, 0) + len(token_ids)
+                    if not (text or finish_reason or logprobs):
                         continue  # the detokenizer holds back half a character: nothing to say
                     chunk = p.CompletionStreamResponse(
                         id=self.id, created=self.created, model=self.model,
-                        choices=[p.CompletionChoice(
+                        choices=[p.CompletionStreamChoice(
                             index=index, text=text, logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                            finish_reason=finish_reason, stop_reason=stop_reason)],
+                        usage=_usage(len(out.prompt_token_ids), so_far[index])
+                        if continuous else None,
                     )
                     yield _sse(chunk)
             if _include_usage(self.request):
@@ -128,6 +163,7 @@ class _ChatRun:
     prompt: _Prompt
     stream_: RequestStream
     echo: str = ""
+    role: str = "assistant"
     id: str = attrs.field(factory=lambda: p.random_id("chatcmpl"))
     created: int = attrs.field(factory=p.now)
 
@@ -135,30 +171,41 @@ class _ChatRun:
         if not self.request.logprobs:
             return None
         return _chat_logprobs(self.serving.tokenizer, c.token_ids, c.logprobs,
-                              self.request.top_logprobs or 0)
+                              self.request.top_logprobs or 0,
+                              as_ids=_as_ids(self.serving, self.request))
 
     async def collect(self) -> p.ChatCompletionResponse:
         out = await _last(self.stream_)
         choices = [
             p.ChatChoice(
                 index=c.index,
-                message=p.ChatMessage(role="assistant", content=self.echo + c.text),
+                message=p.ChatMessage(role=self.role, content=self.echo + c.text),
                 logprobs=self._logprobs(c),
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        prompt_logprobs = None
+        if self.request.prompt_logprobs is not None:
+            prompt_logprobs = _prompt_logprobs(self.serving.tokenizer, out.prompt_logprobs)
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices,
             usage=_usage(len(self.prompt.token_ids), completion_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def stream(self) -> AsyncIterator[str]:
         n = _default(self.request.n, 1)
         completion_tokens = 0
 
+        num_prompt = len(self.prompt.token_ids)
+        continuous = _continuous_usage(self.request)
+        so_far = [0] * n  # completion tokens per choice, for continuous usage
+
         def chunk(choices, usage=None) -> str:
+            if usage is None and continuous and choices:
+                usage = _usage(num_prompt, so_far[choices[0].index])
             return _sse(p.ChatCompletionStreamResponse(
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=usage))
 
@@ -166,7 +213,7 @@ class _ChatRun:
             # OpenAI opens each choice with the assistant's role and no content yet.
             for index in range(n):
                 yield chunk([p.ChatStreamChoice(
-                    index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+                    index=index, delta=p.DeltaMessage(role=self.role, content=""))])
             if self.echo:
                 for index in range(n):
                     yield chunk([p.ChatStreamChoice(
@@ -174,6 +221,7 @@ class _ChatRun:
             async for out in self.stream_:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
+                    so_far[c.index] += len(c.token_ids)
                     if not (c.text or c.finish_reason or self.request.logprobs):
                         continue  # the detokenizer holds back half a character: nothing to say
                     yield chunk([p.ChatStreamChoice(
@@ -189,13 +237,31 @@ class _ChatRun:
         yield "data: [DONE]\n\n"
 
 
+def _as_ids(serving: OpenAIServing, request) -> bool:
+    """``return_tokens_as_token_ids``: the request's, else the server's default."""
+    return _default(request.return_tokens_as_token_ids, serving.return_tokens_as_token_ids)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
     return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                        total_tokens=prompt_tokens + completion_tokens)
 
 
 def _include_usage(request) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
+    """A last chunk with the whole request's usage (also with continuous usage)."""
+    return bool(request.stream_options and request.stream_options.include_usage) \
+        or _continuous_usage(request)
+
+
+def _continuous_usage(request) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's
+    usage so far (the prompt's tokens, and the choice's completion tokens until then). As
+    in vLLM, where ``include_usage`` defaults to true, only an explicit
+    ``include_usage: false`` turns it off."""
+    options = request.stream_options
+    if not (options and options.continuous_usage_stats):
+        return False
+    return bool(options.include_usage) or "include_usage" not in options.model_fields_set
 
 
 def _sse(model) -> str:

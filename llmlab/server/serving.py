@@ -66,6 +66,10 @@ class OpenAIServing:
         max_queued_sequences: sequences in flight (queued or running) the server takes
             at once; a request that would pass it is answered 429 with ``Retry-After``
             at once, before any of it is tokenized.
+        return_tokens_as_token_ids: the default of the request field: logprob tokens as
+            ``"token_id:{id}"`` (vLLM's format).
+        response_role: the role of chat responses (with ``add_generation_prompt=false``,
+            the last message's role, as in vLLM).
     """
 
     engine: AsyncEngine
@@ -78,6 +82,8 @@ class OpenAIServing:
     max_prompts_per_request: int = 256
     max_sequences_per_request: int = 1024
     max_queued_sequences: int = 4096
+    return_tokens_as_token_ids: bool = False
+    response_role: str = "assistant"
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _processes: TemplateProcesses | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -166,6 +172,10 @@ class OpenAIServing:
         if request.echo and request.prompt_logprobs is not None:
             raise APIError("echo and prompt_logprobs cannot be combined; use one of them",
                            param="prompt_logprobs")
+        _check_stream_prompt_logprobs(request)
+        # echo with max_tokens=0 scores the prompt (HELM, lm-eval's loglikelihood): the
+        # engine generates one token, which the response leaves out (as vLLM does).
+        echo_only = bool(request.echo) and request.max_tokens == 0
         self._check_capacity(request, _num_prompts(request.prompt))
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         params_list = [
@@ -175,12 +185,12 @@ class OpenAIServing:
                 # echo with logprobs reports the prompt's tokens too
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None
                 else request.prompt_logprobs,
-                stream=bool(request.stream),
+                stream=bool(request.stream), echo_only=echo_only,
             )
             for prompt in prompts
         ]
         streams = await self._add_all(prompts, params_list, request)
-        run = _CompletionRun(self, request, model, prompts, streams)
+        run = _CompletionRun(self, request, model, prompts, streams, echo_only=echo_only)
         if request.stream:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)
@@ -231,6 +241,7 @@ class OpenAIServing:
             if request.top_logprobs < 0:
                 raise APIError(f"top_logprobs must be >= 0, got {request.top_logprobs}",
                                param="top_logprobs")
+        _check_stream_prompt_logprobs(request)
         self._check_capacity(request, 1)
         prompt = await self._render(request)
         max_tokens = request.max_completion_tokens
@@ -247,7 +258,10 @@ class OpenAIServing:
         last = request.messages[-1]
         if request.echo and last.role == "assistant":
             echo = _message_text(last) or ""
-        run = _ChatRun(self, request, model, prompt, streams[0], echo)
+        # vLLM's role: the server's response_role, or with no generation prompt (the model
+        # continues the last message) that message's role
+        role = self.response_role if request.add_generation_prompt else last.role
+        run = _ChatRun(self, request, model, prompt, streams[0], echo, role)
         if request.stream:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)
@@ -361,10 +375,34 @@ class OpenAIServing:
                            param="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
 
+    def tokenizer_info(self) -> p.TokenizerInfoResponse:
+        """vLLM's ``/tokenizer_info``: the tokenizer's ``init_kwargs`` (special tokens as
+        their text), ``tokenizer_class``, and the chat template this server renders with.
+        Unlike vLLM it leaves out the tokenizer's files and directory (``name_or_path``,
+        ...): this server does not show its filesystem."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError("this server has no tokenizer")
+        config = {k: _json_safe(v) for k, v in
+                  dict(getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in _TOKENIZER_PATH_KEYS}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = getattr(tokenizer, name, None)
+            if config.get(name) is None and value is not None:
+                config[name] = _json_safe(value)
+        config.setdefault("model_max_length", self.max_model_len)
+        config["tokenizer_class"] = type(tokenizer).__name__
+        template = self.chat_template
+        if template is None:
+            template = getattr(tokenizer, "chat_template", None)
+        if template is not None:
+            config["chat_template"] = template
+        return p.TokenizerInfoResponse(**config)
+
     # -- shared --------------------------------------------------------------------------
 
     def _params(self, request, prompt: _Prompt, max_tokens, *, logprobs, prompt_logprobs,
-                stream: bool) -> SamplingParams:
+                stream: bool, echo_only: bool = False) -> SamplingParams:
         fields = _fields(request)
         num_prompt = len(prompt.token_ids)
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > 0:
@@ -373,7 +411,15 @@ class OpenAIServing:
         # the field the limit came from, for the error (chat has two names for it)
         name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
             is not None else "max_tokens"
-        if max_tokens is None:
+        if echo_only:
+            # max_tokens=0 with echo: the engine (max_tokens >= 1) generates one token that
+            # the response drops, so the prompt may fill the whole context.
+            if num_prompt > self.max_model_len:
+                raise APIError(
+                    f"the prompt has {num_prompt} tokens, more than this model's maximum "
+                    f"context length of {self.max_model_len} tokens", param="prompt")
+            max_tokens = 1
+        elif max_tokens is None:
             if room < 1:
                 raise APIError(
                     f"the prompt has {num_prompt} tokens, which leaves no room to generate "
@@ -381,7 +427,9 @@ class OpenAIServing:
                     "tokens", param="messages" if "messages" in fields else "prompt")
             max_tokens = room
         elif max_tokens < 1:
-            raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
+            hint = " (0 only with echo, to score the prompt)" if max_tokens == 0 \
+                and isinstance(request, p.CompletionRequest) else ""
+            raise APIError(f"{name} must be at least 1{hint}, got {max_tokens}", param=name)
         elif num_prompt + max_tokens > self.max_model_len:
             raise APIError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
@@ -407,7 +455,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 ignore_eos=request.ignore_eos,
                 max_tokens=max_tokens,
-                min_tokens=request.min_tokens,
+                min_tokens=0 if echo_only else request.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
@@ -446,6 +494,34 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+# init_kwargs that name the tokenizer's files or where it was loaded from.
+_TOKENIZER_PATH_KEYS = frozenset({
+    "vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local",
+    "local_files_only", "cache_dir", "_commit_hash", "token",
+})
+
+
+def _json_safe(value):
+    """A tokenizer setting as JSON: AddedToken as its text (as vLLM), containers
+    recursively, anything else unknown as its ``str``."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _check_stream_prompt_logprobs(request) -> None:
+    """vLLM's rule: ``prompt_logprobs`` has no place in a streamed response."""
+    if request.stream and request.prompt_logprobs is not None and request.prompt_logprobs != 0:
+        raise APIError("prompt_logprobs are not available when stream=true",
+                       param="prompt_logprobs")
 
 
 def _num_prompts(prompt) -> int:
