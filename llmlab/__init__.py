@@ -13,12 +13,14 @@ set_wait_policy()
 
 from llmlab.config import EngineConfig
 from llmlab.distributed.data_parallel import DataParallelEngine
+from llmlab.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
-from llmlab.engine.outputs import CompletionOutput, RequestOutput
+from llmlab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmlab.errors import ExecutorDeadError
+from llmlab.inputs import PromptType, TextPrompt, TokensPrompt
 from llmlab.llm import LLM
 from llmlab.registry import register
 from llmlab.request import Request, RequestStatus
@@ -43,6 +45,7 @@ __all__ = [
     "LLM",
     "Arrival",
     "AsyncEngine",
+    "AsyncEngineArgs",
     "AsyncLLMEngine",
     "BeamSearchOutput",
     "BeamSearchParams",
@@ -50,6 +53,7 @@ __all__ = [
     "CompletionOutput",
     "DataParallelEngine",
     "Engine",
+    "EngineArgs",
     "EngineBuilder",
     "EngineConfig",
     "EngineSnapshot",
@@ -58,16 +62,20 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "Policy",
+    "PromptType",
     "DraftRequest",
     "Proposal",
     "SpecDecodeStats",
     "SpeculativeConfig",
     "Request",
+    "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
     "StepEvent",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "register",
 ]

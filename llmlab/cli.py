@@ -70,6 +70,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-timeout-s", type=float, default=600.0,
                         help="how long a rank or replica may take to start, or wait on a "
                         "collective (default 600)")
+    # Every other EngineConfig field, generated from it (vLLM's spellings: --enforce-eager,
+    # --trust-remote-code, --max-logprobs, --[no-]enable-chunked-prefill,
+    # --num-gpu-blocks-override, ...), so a new config field is a flag by itself.
+    from llmlab.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser, skip=("model",))
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -151,34 +157,19 @@ def _model_or_builtin(model: str | None) -> str:
     return path
 
 
+_COMPONENT_FLAGS = ("scheduling_policy", "eviction_policy", "attention_backend", "router")
+
+
 def _engine_settings(args: argparse.Namespace) -> dict:
-    """``LLM(...)`` keyword arguments from the engine flags."""
-    return {
-        "tokenizer": args.tokenizer,
-        "revision": args.revision,
-        "dtype": args.dtype,
-        "device": args.device,
-        "seed": args.seed,
-        "max_model_len": args.max_model_len,
-        "block_size": args.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "scheduling_policy": args.scheduling_policy,
-        "eviction_policy": args.eviction_policy,
-        "attention_backend": args.attention_backend,
-        "cpu_linear": args.cpu_linear,
-        "cpu_fused_ops": args.cpu_fused_ops,
-        "cpu_threads": args.cpu_threads,
-        "speculative_config": args.speculative_config,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "data_parallel_size": args.data_parallel_size,
-        "router": args.router,
-        "distributed_executor_backend": args.distributed_executor_backend,
-        "distributed_timeout_s": args.distributed_timeout_s,
-    }
+    """``LLM(...)`` keyword arguments from the engine flags: every ``EngineConfig`` field
+    but ``model`` (each has a flag, see ``_add_engine_args``), and the components."""
+    import attrs
+
+    from llmlab.config import EngineConfig
+
+    fields = [f.name for f in attrs.fields(EngineConfig) if f.name != "model"]
+    names = fields + list(_COMPONENT_FLAGS)
+    return {name: getattr(args, name) for name in names}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -215,7 +206,10 @@ def _serve(args: argparse.Namespace) -> int:
                     max_request_body_bytes=args.max_request_body_bytes,
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_sequences_per_request=args.max_sequences_per_request,
-                    max_queued_sequences=args.max_queued_sequences)
+                    max_queued_sequences=args.max_queued_sequences,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                    response_role=args.response_role, root_path=args.root_path)
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     # SIGINT/SIGTERM: uvicorn stops accepting connections; requests in flight get
@@ -346,8 +340,59 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # noqa: SLF001 (argparse has no API for this)
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def _config_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
+    """``llmlab serve --config FILE.yaml``: a YAML mapping of flag names (``max-num-seqs``
+    or ``max_num_seqs``; ``model`` for the model) to values, as defaults the command
+    line's own flags override (vLLM's ``--config``). Raises ValueError naming a bad key."""
+    try:
+        import yaml
+    except ImportError as err:
+        raise ValueError(f"--config needs PyYAML ({err}); pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML ({_one_line(err)})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flag names to values, got "
+                         f"{type(loaded).__name__}")
+    dests = {a.dest: a for a in parser._actions if a.option_strings}  # noqa: SLF001
+    defaults = {}
+    for key, value in loaded.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name == "model":
+            name = "model_tag"
+        elif name not in dests or name in ("config", "help"):
+            raise ValueError(f"--config {path}: unknown flag {key!r}")
+        action = dests.get(name)
+        if action is not None and action.nargs in ("+", "*") and not isinstance(value, list):
+            value = [value]
+        if action is not None and action.type is not None and isinstance(value, str):
+            value = action.type(value)
+        defaults[name] = value
+    return defaults
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        serve = _subparser(parser, args.command)
+        try:
+            serve.set_defaults(**_config_defaults(args.config, serve))
+        except (ValueError, TypeError, OSError) as err:
+            print(f"error: {_one_line(err)}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)  # the command line's flags win over the file
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
@@ -421,8 +466,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 4096)")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
                        help='CORS origins: a list, or a JSON list such as \'["*"]\'')
-    serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default info)")
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="a YAML mapping of flag names to values (max-num-seqs: 8, ...); "
+                            "flags on the command line win")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM compatibility (llmlab logs no request lines)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens as 'token_id:N' strings (vLLM's flag)")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve /tokenizer_info (vLLM's flag)")
+    serve.add_argument("--response-role", default="assistant",
+                       help="the role of chat completion replies (default assistant)")
+    serve.add_argument("--root-path", default=None,
+                       help="the path prefix a proxy serves this app under (FastAPI's root_path)")
     bench = commands.add_parser("bench", help="benchmarks", allow_abbrev=False)
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_commands.add_parser(

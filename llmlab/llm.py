@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -89,6 +90,8 @@ class LLM:
         # One generate() at a time: a second thread waits for the first to finish rather
         # than interleaving requests and steps with it.
         self._lock = threading.Lock()
+        self._profiler: Any = None
+        self._profiler_dir: str | None = None
         self.spec_decode_stats: SpecDecodeStats | None = None
         self._counters: EngineCounters | None = None
         if not self.llm_engine.config.disable_log_stats:
@@ -116,6 +119,77 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use ``tokenizer`` from now on (vLLM's): for prompts, output text, stop strings and
+        ``bad_words`` of requests added after this call. Structured outputs keep compiling
+        with the tokenizer the engine was built with."""
+        engine = self.llm_engine
+        if isinstance(engine, DataParallelEngine):
+            raise NotImplementedError(
+                "set_tokenizer is not supported with data_parallel_size > 1 (each replica "
+                "holds its own tokenizer)"
+            )
+        if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
+            raise TypeError(
+                f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}"
+            )
+        with self._lock:
+            engine.tokenizer = tokenizer
+            engine.inputs.tokenizer = tokenizer
+            engine.outputs.tokenizer = tokenizer
+            sampler = getattr(engine.executor, "sampler", None)
+            if sampler is not None and hasattr(sampler, "tokenizer"):
+                sampler.tokenizer = tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache's cached blocks that no request holds (vLLM's); True
+        when nothing is cached any more, False when running requests still hold cached
+        blocks (those stay)."""
+        engine = self.llm_engine
+        if isinstance(engine, DataParallelEngine):
+            raise NotImplementedError(
+                "reset_prefix_cache is not supported with data_parallel_size > 1"
+            )
+        with self._lock:
+            return engine.scheduler.kv.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start a ``torch.profiler`` trace of this process (vLLM's); :meth:`stop_profile`
+        writes it (a Chrome/TensorBoard trace) to the directory named by
+        ``LLMLAB_TORCH_PROFILER_DIR`` (or vLLM's ``VLLM_TORCH_PROFILER_DIR``)."""
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running; call stop_profile() first")
+        directory = os.environ.get("LLMLAB_TORCH_PROFILER_DIR") or os.environ.get(
+            "VLLM_TORCH_PROFILER_DIR"
+        )
+        if not directory:
+            raise RuntimeError(
+                "start_profile() needs a directory for the trace: set LLMLAB_TORCH_PROFILER_DIR "
+                "(or VLLM_TORCH_PROFILER_DIR) before calling it"
+            )
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        os.makedirs(directory, exist_ok=True)
+        profiler = torch.profiler.profile(
+            activities=activities, record_shapes=True, with_stack=True,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(directory),
+        )
+        profiler.start()
+        self._profiler = profiler
+        self._profiler_dir = directory
+
+    def stop_profile(self) -> None:
+        """Stop the trace :meth:`start_profile` began and write it to its directory."""
+        profiler = self._profiler
+        if profiler is None:
+            raise RuntimeError("no profile is running; call start_profile() first")
+        self._profiler = None
+        profiler.stop()
+        logger.info("torch profiler trace written to %s", self._profiler_dir)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the model's
         ``generation_config.json`` settings (temperature, top_p, top_k, min_p,
@@ -127,16 +201,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
-        user: Sequence[str | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        user: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in input order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``), or a
         list of those. ``sampling_params``: one for all prompts, one per prompt, or None
-        for :meth:`get_default_sampling_params`. ``priority``: one int per prompt, lower
-        served first by policies that read it (``"priority"``). ``user``: one str (or None)
-        per prompt, for per-user policies (``"fair"``).
+        for :meth:`get_default_sampling_params`. ``priority``: one int for all prompts or one
+        per prompt, lower served first by policies that read it (``"priority"``). ``user``:
+        one str for all prompts or one str (or None) per prompt, for per-user policies
+        (``"fair"``).
         All prompts are validated before any is queued: on an error nothing runs. After an
         error or Ctrl-C the engine holds none of this call's requests and no blocks for
         them. Calls from several threads run one after another.
@@ -347,6 +422,8 @@ def _per_prompt(field: str, values: Any, n: int, check, allowed: str) -> list:
 def _as_priorities(priority: Any, n: int) -> list[int]:
     if priority is None:
         return [0] * n
+    if isinstance(priority, (int, np.integer)) and not isinstance(priority, (bool, np.bool_)):
+        return [int(priority)] * n  # one for all (vLLM accepts a scalar)
     values = _per_prompt(
         "priority", priority, n,
         lambda p: isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)),
@@ -358,6 +435,8 @@ def _as_priorities(priority: Any, n: int) -> list[int]:
 def _as_users(user: Any, n: int) -> list[str | None]:
     if user is None:
         return [None] * n
+    if isinstance(user, str):
+        return [user] * n
     return _per_prompt("user", user, n, lambda u: u is None or isinstance(u, str), "a str or None")
 
 

@@ -92,6 +92,12 @@ class Request:
     # is set, and of each prompt position (None first) when ``prompt_logprobs`` is.
     output_logprobs: list = attrs.field(factory=list)
     prompt_logprobs: list = attrs.field(factory=list)
+    # When it reached each stage (the engine's clock; None until then): vLLM's
+    # RequestMetrics, stamped by the engine's output processor after each step.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property

@@ -356,6 +356,20 @@ class KVCacheManager:
 
     # -- observation ---------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no request holds (vLLM's ``reset_prefix_cache``): the
+        index forgets them and they become empty, through the eviction policy's own order
+        (``evicted`` block events). Blocks requests hold keep their content and entries.
+        True when the prefix cache is now empty (no cached block was in use)."""
+        pool = self.pool
+        num_cached = pool.num_cached_free_blocks
+        if num_cached:
+            # Taking every free block evicts every candidate (on_drop -> _forget); giving
+            # them straight back returns them as empty blocks.
+            taken, _ = pool.allocate(pool.num_empty_blocks + num_cached)
+            pool.release(taken)
+        return len(self.index) == 0
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies ``(src_block, dst_block)`` since the last call.
 

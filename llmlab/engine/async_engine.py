@@ -169,6 +169,15 @@ class AsyncEngine:
 
         return cls(build_engine(model, tokenizer, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncEngine:
+        """vLLM's ``AsyncLLMEngine.from_engine_args``: the engine an
+        :class:`~llmlab.engine.arg_utils.AsyncEngineArgs` (or ``EngineArgs``) describes;
+        ``kwargs`` are ``LLM``'s component keywords (``scheduling_policy``, ``router``, ...)."""
+        settings = engine_args.config_kwargs()
+        return cls.from_settings(settings.pop("model"), settings.pop("tokenizer"),
+                                 **settings, **kwargs)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -230,7 +239,7 @@ class AsyncEngine:
 
     async def add_request(
         self,
-        request_id: str | None,
+        request_id: str | int | None,
         prompt: PromptType,
         params: SamplingParams | None = None,
         *,
@@ -242,12 +251,15 @@ class AsyncEngine:
 
         Raises ``TypeError``/``ValueError`` (queueing nothing) on bad input, exactly as
         :meth:`Engine.add_request` does, and :class:`EngineDeadError` when not running.
-        ``request_id=None`` picks a fresh one.
+        ``request_id=None`` picks a fresh one; an int (vLLM's examples pass one) is taken as
+        its str.
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_reason())
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        elif isinstance(request_id, int) and not isinstance(request_id, bool):
+            request_id = str(int(request_id))
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -273,7 +285,7 @@ class AsyncEngine:
         self,
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
+        request_id: str | int | None = None,
         *,
         priority: int = 0,
         user: str | None = None,

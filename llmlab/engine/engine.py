@@ -98,6 +98,22 @@ class Engine:
         if self.outputs is None:
             self.outputs = OutputProcessor(self.tokenizer)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> Engine:
+        """vLLM's ``LLMEngine.from_engine_args``: the engine an
+        :class:`~llmlab.engine.arg_utils.EngineArgs` describes (one replica; for
+        ``data_parallel_size > 1`` use ``LLM`` or ``AsyncEngine``)."""
+        from llmlab.engine.builder import EngineBuilder
+
+        config = engine_args.create_engine_config()
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                "Engine.from_engine_args builds one replica; data_parallel_size="
+                f"{config.data_parallel_size} needs LLM(**vars(args)) or "
+                "AsyncEngine.from_engine_args(args)"
+            )
+        return EngineBuilder(config).build()
+
     def add_request(
         self,
         request_id: str,
@@ -321,6 +337,8 @@ class Engine:
         ]
         for request in failed:
             finished.extend(self._drop_forks(request))
+        self.outputs.stamp(batch_requests.values(), progressed, finished + failed, start,
+                           self.clock())
         self._undelivered.extend(self.outputs.outputs(progressed, failed))
         for request in finished + failed:
             self._forget(request)

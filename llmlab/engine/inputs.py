@@ -112,6 +112,9 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
+        # SamplingParams are mutable (vLLM's): the request keeps its own read-only copy, so
+        # the caller changing (or reusing) the object afterwards does not reach the engine.
+        params = params.snapshot()
         arrival_time = as_real("arrival_time", arrival_time, allow_none=True)
         priority = as_int("priority", priority)
         if user is not None and not isinstance(user, str):
@@ -252,7 +255,7 @@ class InputProcessor:
             if num > 1:
                 # vLLM's rule: sample i draws from seed + i, so samples differ but repeat.
                 seed = None if params.seed is None else params.seed + index
-                own = attrs.evolve(params, n=1, best_of=None, seed=seed)
+                own = attrs.evolve(params, n=1, best_of=None, seed=seed).snapshot()
             members.append(
                 Request(
                     request_id=rid,

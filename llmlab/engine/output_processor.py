@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
-from llmlab.engine.outputs import CompletionOutput, RequestOutput
+from llmlab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmlab.request import Request, RequestStatus
 from llmlab.sampling.params import RequestOutputKind
 
@@ -68,6 +68,28 @@ class OutputProcessor:
             request.output_token_ids[before:], request.num_output_tokens,
             stop_terminated=terminated,
         )
+
+    @staticmethod
+    def stamp(
+        scheduled: Iterable[Request], progressed: Iterable[tuple[Request, int]],
+        finished: Iterable[Request], start: float, now: float,
+    ) -> None:
+        """Record the step's times on its requests (their :class:`RequestMetrics`):
+        ``scheduled`` ran in the step that began at ``start``; ``progressed`` (``(request,
+        outputs before the step)``) got tokens by ``now``; ``finished`` ended by ``now``."""
+        for request in scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+        for request, before in progressed:
+            if len(request.output_token_ids) > before:
+                if request.first_scheduled_time is None:  # a fork starts with its leader
+                    request.first_scheduled_time = start
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.last_token_time = now
+        for request in finished:
+            if request.finished_time is None:
+                request.finished_time = now
 
     def outputs(
         self, progressed: Iterable[tuple[Request, int]], failed: Iterable[Request]
@@ -129,6 +151,7 @@ class OutputProcessor:
             finished=done,
             num_cached_tokens=leader.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            metrics=_metrics(leader, members, done),
         )
 
     def _completion(self, request: Request, index: int, delta: bool) -> CompletionOutput | None:
@@ -190,6 +213,21 @@ class OutputProcessor:
                 t.to_dict(decode) if t is not None else missing for t in entries[len(dicts) :]
             )
         return dicts
+
+
+def _metrics(leader: Request, members: list[Request], done: bool) -> RequestMetrics:
+    """vLLM's per-request times (the leader's; a group finishes with its last sample)."""
+    first = leader.first_scheduled_time
+    last = [m.last_token_time for m in members if m.last_token_time is not None]
+    ends = [m.finished_time for m in members if m.finished_time is not None]
+    return RequestMetrics(
+        arrival_time=leader.arrival_time,
+        last_token_time=max(last) if last else None,
+        first_scheduled_time=first,
+        first_token_time=leader.first_token_time,
+        time_in_queue=None if first is None else first - leader.arrival_time,
+        finished_time=max(ends) if done and ends else None,
+    )
 
 
 def _caller_id(request: Request) -> str:

@@ -66,12 +66,17 @@ def _temperature(value: object) -> float:
     return t
 
 
-def _stop_token_ids(value: object) -> tuple[int, ...]:
+def _stop_token_ids(value: object) -> list[int]:
     if value is None:
-        return ()
+        return []
     if isinstance(value, (set, frozenset)):
         value = list(value)  # order does not matter for stop ids, unlike for a prompt
-    return tuple(as_token_ids("stop_token_ids", value))
+    return list(as_token_ids("stop_token_ids", value))
+
+
+def _string_list(field: str, value: object) -> list[str]:
+    """None, one string, or a sequence of non-empty strings, as a new list (vLLM's type)."""
+    return list(_strings(field, value))
 
 
 def _strings(field: str, value: object) -> tuple[str, ...]:
@@ -94,13 +99,13 @@ def _strings(field: str, value: object) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _allowed_token_ids(value: object) -> tuple[int, ...] | None:
+def _allowed_token_ids(value: object) -> list[int] | None:
     if value is None:
         return None
     ids = as_token_ids("allowed_token_ids", value)
     if not ids:
         raise ValueError("allowed_token_ids must not be empty (None allows every token)")
-    return tuple(dict.fromkeys(ids))
+    return list(dict.fromkeys(ids))
 
 
 def _logit_bias(value: object) -> dict[int, float] | None:
@@ -139,9 +144,9 @@ def _truncate_prompt_tokens(value: object) -> int | None:
     return t
 
 
-def _logits_processors(value: object) -> tuple[Callable, ...]:
+def _logits_processors(value: object) -> list[Callable]:
     if value is None:
-        return ()
+        return []
     if callable(value) or not isinstance(value, Sequence):
         raise TypeError(
             "logits_processors must be a list of callables "
@@ -156,7 +161,7 @@ def _logits_processors(value: object) -> tuple[Callable, ...]:
                 f"logits_processors[{i}] takes {arity} positional arguments; allowed: 2 "
                 "(output_token_ids, logits) or 3 (prompt_token_ids, output_token_ids, logits)"
             )
-    return tuple(value)
+    return list(value)
 
 
 def _positional_arity(fn: Callable) -> int | None:
@@ -291,10 +296,42 @@ def _validate(params: SamplingParams) -> None:
 
 _PENALTY = functools.partial(as_real, min=-2.0, max=2.0)
 
+# The fields held as lists (vLLM's types): tuples in SamplingParams.snapshot.
+_LIST_FIELDS = ("stop", "stop_token_ids", "bad_words", "logits_processors", "allowed_token_ids")
 
-@attrs.frozen(kw_only=True)
+
+def _as_tuple(value: object) -> object:
+    """How list fields compare: a list equals the tuple the engine's snapshot holds."""
+    return None if value is None else tuple(value)
+
+
+class _Assigned:
+    """``params`` as it would be after ``name = value`` (for the cross-field checks)."""
+
+    def __init__(self, params: SamplingParams, name: str, value: object) -> None:
+        self._params, self._name, self._value = params, name, value
+
+    def __getattr__(self, name: str) -> object:
+        return self._value if name == self._name else getattr(self._params, name)
+
+
+def _on_setattr(instance: SamplingParams, attribute: attrs.Attribute, value: object) -> object:
+    """An assignment is converted and checked as construction is; a bad one raises the
+    same error and leaves the old value. The engine's snapshot refuses any."""
+    if instance._sealed:
+        raise attrs.exceptions.FrozenInstanceError()
+    value = attrs.setters.convert(instance, attribute, value)
+    _validate(_Assigned(instance, attribute.name, value))
+    return value
+
+
+@attrs.define(kw_only=True, on_setattr=_on_setattr)
 class SamplingParams:
-    """Sampling and stopping parameters of one request, validated at construction.
+    """Sampling and stopping parameters of one request, validated at construction and at
+    every assignment (``params.seed = 100`` is converted and checked like ``seed=100``; a
+    bad value raises and leaves the old one). List-typed fields are lists, as in vLLM; the
+    engine snapshots the parameters when a request is added, so changing them afterwards
+    does not affect that request.
 
     A wrong type is a ``TypeError`` (``max_tokens=2.5`` or ``top_k=True`` included: ints
     must be integers, and numpy or torch integer scalars become plain ints); a value out
@@ -329,7 +366,7 @@ class SamplingParams:
         stop: strings that end generation; the text is cut before the match (unless
             ``include_stop_str_in_output``) and ``stop_reason`` is the string.
         stop_token_ids: extra token ids that end generation (kept in the output); any
-            iterable of non-negative ints, stored as a tuple.
+            iterable of non-negative ints, stored as a list.
         bad_words: words never generated: the last token of each word's tokenization (with
             and without a leading space) is banned whenever the tokens before it were just
             generated.
@@ -393,10 +430,14 @@ class SamplingParams:
     seed: int | None = attrs.field(
         default=None, converter=functools.partial(as_seed, "seed", allow_none=True)
     )
-    stop: tuple[str, ...] = attrs.field(default=(), converter=functools.partial(_strings, "stop"))
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
-    bad_words: tuple[str, ...] = attrs.field(
-        default=(), converter=functools.partial(_strings, "bad_words")
+    stop: list[str] = attrs.field(
+        factory=list, converter=functools.partial(_string_list, "stop"), eq=_as_tuple
+    )
+    stop_token_ids: list[int] = attrs.field(
+        factory=list, converter=_stop_token_ids, eq=_as_tuple
+    )
+    bad_words: list[str] = attrs.field(
+        factory=list, converter=functools.partial(_string_list, "bad_words"), eq=_as_tuple
     )
     include_stop_str_in_output: bool = attrs.field(
         default=False, converter=functools.partial(as_bool, "include_stop_str_in_output")
@@ -425,8 +466,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = attrs.field(
         default=True, converter=functools.partial(as_bool, "spaces_between_special_tokens")
     )
-    logits_processors: tuple[Callable, ...] = attrs.field(
-        default=(), converter=_logits_processors, eq=False
+    logits_processors: list[Callable] = attrs.field(
+        factory=list, converter=_logits_processors, eq=False
     )
     truncate_prompt_tokens: int | None = attrs.field(
         default=None, converter=_truncate_prompt_tokens
@@ -437,14 +478,26 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = attrs.field(
         default=None, converter=_logit_bias, hash=False
     )
-    allowed_token_ids: tuple[int, ...] | None = attrs.field(
-        default=None, converter=_allowed_token_ids
+    allowed_token_ids: list[int] | None = attrs.field(
+        default=None, converter=_allowed_token_ids, eq=_as_tuple
     )
     structured_outputs: StructuredOutputsParams | None = attrs.field(
         default=None, converter=_structured, hash=False
     )
+    # True on the engine's snapshot (see ``snapshot``): read-only, lists as tuples.
+    _sealed: bool = attrs.field(default=False, init=False, eq=False, repr=False)
 
     def __init__(self, *, guided_decoding: StructuredOutputsParams | None = None, **kwargs: Any):
+        if kwargs.pop("use_beam_search", False):
+            raise ValueError(
+                "SamplingParams(use_beam_search=True) is not supported (vLLM removed it too): "
+                "use LLM.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))"
+            )
+        unknown = sorted(set(kwargs) - {a.name for a in attrs.fields(SamplingParams)})
+        if unknown:
+            raise TypeError(
+                f"SamplingParams got unexpected keyword argument(s) {unknown}"
+            )
         if guided_decoding is not None:
             if kwargs.get("structured_outputs") is not None:
                 raise ValueError(
@@ -474,8 +527,24 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         """A copy (logits processors are deep-copied, so stateful ones are not shared)."""
-        processors = tuple(copy.deepcopy(p) for p in self.logits_processors)
+        processors = [copy.deepcopy(p) for p in self.logits_processors]
         return attrs.evolve(self, logits_processors=processors)
+
+    def snapshot(self) -> SamplingParams:
+        """A read-only copy (lists as tuples; logits processors shared; equal to ``self``):
+        what the engine keeps of a request's parameters, so later changes to ``self`` do
+        not reach it, and what executors receive (read-only data). Assigning to it raises
+        ``attrs.exceptions.FrozenInstanceError``; ``attrs.evolve`` / ``clone`` of it give a
+        mutable copy again. Not re-validated (``self`` already is)."""
+        if self._sealed:
+            return self
+        copied = copy.copy(self)
+        for name in _LIST_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(copied, name, tuple(value))
+        object.__setattr__(copied, "_sealed", True)
+        return copied
 
     def evolve(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied (and validated)."""

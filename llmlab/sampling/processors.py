@@ -257,10 +257,11 @@ class BadWords:
     _cache: dict = attrs.field(init=False, factory=dict, repr=False)
     _tokenizer: Any = attrs.field(init=False, default=None, repr=False)
 
-    def token_ids(self, words: tuple[str, ...], tokenizer: Any) -> list[tuple[int, ...]]:
+    def token_ids(self, words: Sequence[str], tokenizer: Any) -> list[tuple[int, ...]]:
         if tokenizer is not self._tokenizer:
             self._cache.clear()
             self._tokenizer = tokenizer
+        words = tuple(words)  # SamplingParams.bad_words is a list (vLLM's type)
         ids = self._cache.get(words)
         if ids is None:
             if len(self._cache) >= self.max_cached:

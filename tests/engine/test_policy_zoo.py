@@ -164,10 +164,10 @@ def test_a_policy_missing_a_method_fails_at_build_time(tiny_llama, monkeypatch):
     [
         (dict(priority=[1]), "got 1 values for priority but 2 prompts"),
         (dict(priority=[1, "high"]), r"priority\[1\] must be an int"),
-        (dict(priority=5), "priority must be a list"),
+        (dict(priority=2.5), "priority must be a list"),  # a scalar int applies to all
         (dict(user=["a"]), "got 1 values for user but 2 prompts"),
         (dict(user=["a", 7]), r"user\[1\] must be a str or None"),
-        (dict(user="alice"), "user must be a list"),
+        (dict(user=7), "user must be a list"),  # a scalar str applies to all
     ],
 )
 def test_bad_priority_or_user_lists_queue_nothing(tiny_llama, kwargs, match):
