@@ -211,6 +211,9 @@ class ChatMessageParam(_Request):
     role: Str
     content: Str | list[ContentPart] | None = None
     name: Str | None = None
+    # an assistant's earlier tool calls, and a tool message's answer to one (for the template)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -230,9 +233,33 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Bool = False
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(_Response):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatLogProb(_Response):
@@ -273,6 +300,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
@@ -318,6 +346,7 @@ class TokenizeRequest(_Request):
     model: Str | None = None
     prompt: Str | None = None
     messages: list[ChatMessageParam] | None = None
+    tools: list[dict[str, Any]] | None = None  # shown to the chat template
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False

@@ -20,6 +20,7 @@ from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected
 from llmlab.server.logprobs import _chat_logprobs, _LogprobText, _prompt_logprobs
 from llmlab.server.request_params import _default
+from llmlab.server.tools import ToolMode, ToolStreamer, final_calls
 
 if TYPE_CHECKING:
     from llmlab.server.serving import OpenAIServing, _Prompt
@@ -164,6 +165,7 @@ class _ChatRun:
     stream_: RequestStream
     echo: str = ""
     role: str = "assistant"
+    tool_mode: ToolMode | None = None  # a named or required tool_choice (tools.py)
     id: str = attrs.field(factory=lambda: p.random_id("chatcmpl"))
     created: int = attrs.field(factory=p.now)
 
@@ -174,14 +176,27 @@ class _ChatRun:
                               self.request.top_logprobs or 0,
                               as_ids=_as_ids(self.serving, self.request))
 
+    def _finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's: "tool_calls" for a required tool_choice that stopped; a named one keeps
+        the engine's reason."""
+        if reason == "stop" and self.tool_mode is not None and self.tool_mode.kind == "required":
+            return "tool_calls"
+        return reason
+
+    def _message(self, c) -> p.ChatMessage:
+        calls = final_calls(self.tool_mode, c.text) if self.tool_mode is not None else None
+        if calls is None:
+            return p.ChatMessage(role=self.role, content=self.echo + c.text)
+        return p.ChatMessage(role=self.role, content=None, tool_calls=calls)
+
     async def collect(self) -> p.ChatCompletionResponse:
         out = await _last(self.stream_)
         choices = [
             p.ChatChoice(
                 index=c.index,
-                message=p.ChatMessage(role=self.role, content=self.echo + c.text),
+                message=self._message(c),
                 logprobs=self._logprobs(c),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                finish_reason=self._finish_reason(c.finish_reason), stop_reason=c.stop_reason,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -202,6 +217,8 @@ class _ChatRun:
         num_prompt = len(self.prompt.token_ids)
         continuous = _continuous_usage(self.request)
         so_far = [0] * n  # completion tokens per choice, for continuous usage
+        tool_streams = [ToolStreamer(self.tool_mode) for _ in range(n)] \
+            if self.tool_mode is not None else None
 
         def chunk(choices, usage=None) -> str:
             if usage is None and continuous and choices:
@@ -222,12 +239,19 @@ class _ChatRun:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     so_far[c.index] += len(c.token_ids)
-                    if not (c.text or c.finish_reason or self.request.logprobs):
-                        continue  # the detokenizer holds back half a character: nothing to say
+                    if tool_streams is not None:
+                        calls = tool_streams[c.index].feed(c.text)
+                        delta = p.DeltaMessage(tool_calls=calls or None)
+                        if not (calls or c.finish_reason or self.request.logprobs):
+                            continue
+                    else:
+                        delta = p.DeltaMessage(content=c.text)
+                        if not (c.text or c.finish_reason or self.request.logprobs):
+                            continue  # the detokenizer holds back half a character
                     yield chunk([p.ChatStreamChoice(
-                        index=c.index, delta=p.DeltaMessage(content=c.text),
-                        logprobs=self._logprobs(c),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                        index=c.index, delta=delta, logprobs=self._logprobs(c),
+                        finish_reason=self._finish_reason(c.finish_reason),
+                        stop_reason=c.stop_reason)])
             if _include_usage(self.request):
                 yield chunk([], _usage(len(self.prompt.token_ids), completion_tokens))
         except Exception as err:  # noqa: BLE001 - sent in-band, as above

@@ -36,7 +36,11 @@ from llmlab.server.request_params import (
 )
 from llmlab.server.responses import _ChatRun, _CompletionRun, _until_disconnected
 from llmlab.server.templates import TemplateProcesses, TemplateTimeout
+from llmlab.server.tools import check_tools, template_tools, tool_constraint
 from llmlab.validation import check_encodable
+
+# _params' structured-output default: the request's own constraint.
+_FROM_REQUEST = object()
 
 # What waiting for a request template's render may add for starting its worker processes.
 _WORKER_START_S = 60.0
@@ -232,9 +236,17 @@ class OpenAIServing:
     async def chat(self, request: p.ChatCompletionRequest, disconnected=None):
         model = self.check_model(request.model)
         _unsupported(request)
-        if request.tools and request.tool_choice != "none":
-            raise APIError("tools (function calling) are not supported by this server",
-                           param="tools")
+        tools, tool_mode = check_tools(request)
+        structured = _structured(request)
+        if tool_mode is not None:
+            if structured is not None:
+                raise APIError(f"tool_choice {tool_mode.kind} constrains the output: it "
+                               "excludes other structured-output constraints",
+                               param="tool_choice")
+            if request.echo:
+                raise APIError("echo is not supported with a tool_choice that calls a tool",
+                               param="echo")
+            structured = tool_constraint(tools, tool_mode)
         if request.top_logprobs is not None:
             if not request.logprobs:
                 raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -251,7 +263,7 @@ class OpenAIServing:
             request, prompt, max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
-            stream=bool(request.stream),
+            stream=bool(request.stream), structured=structured,
         )
         streams = await self._add_all([prompt], [params], request)
         echo = ""
@@ -261,7 +273,7 @@ class OpenAIServing:
         # vLLM's role: the server's response_role, or with no generation prompt (the model
         # continues the last message) that message's role
         role = self.response_role if request.add_generation_prompt else last.role
-        run = _ChatRun(self, request, model, prompt, streams[0], echo, role)
+        run = _ChatRun(self, request, model, prompt, streams[0], echo, role, tool_mode)
         if request.stream:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)
@@ -317,14 +329,20 @@ class OpenAIServing:
             )
         messages = [
             {"role": m.role, "content": _message_text(m) or "",
-             **({"name": m.name} if m.name else {})}
+             **({"name": m.name} if m.name else {}),
+             **({"tool_calls": m.tool_calls} if m.tool_calls is not None else {}),
+             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})}
             for m in request.messages
         ]
         template = request.chat_template
         if template is None:
             template = self.chat_template
+        kwargs = request.chat_template_kwargs
+        tools = template_tools(request)
+        if tools:  # apply_chat_template's own tools= argument
+            kwargs = {**(kwargs or {}), "tools": tools}
         args = (messages, template, request.add_generation_prompt,
-                request.continue_final_message, request.chat_template_kwargs,
+                request.continue_final_message, kwargs,
                 self.max_model_len * CHARS_PER_TOKEN)
         try:
             if request.chat_template is not None:  # the request's own code: a worker process
@@ -402,7 +420,8 @@ class OpenAIServing:
     # -- shared --------------------------------------------------------------------------
 
     def _params(self, request, prompt: _Prompt, max_tokens, *, logprobs, prompt_logprobs,
-                stream: bool, echo_only: bool = False) -> SamplingParams:
+                stream: bool, echo_only: bool = False,
+                structured=_FROM_REQUEST) -> SamplingParams:
         fields = _fields(request)
         num_prompt = len(prompt.token_ids)
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > 0:
@@ -436,6 +455,8 @@ class OpenAIServing:
                 f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt and "
                 f"{max_tokens} to generate); shorten the prompt or lower {name}", param=name)
         defaults = self.engine.engine.default_sampling_params
+        if structured is _FROM_REQUEST:
+            structured = _structured(request)
         try:
             return SamplingParams(
                 n=_default(request.n, 1),
@@ -463,7 +484,7 @@ class OpenAIServing:
                 logit_bias=_logit_bias(request.logit_bias),
                 allowed_token_ids=request.allowed_token_ids,
                 truncate_prompt_tokens=request.truncate_prompt_tokens,
-                structured_outputs=_structured(request),
+                structured_outputs=structured,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as err:

@@ -60,8 +60,11 @@ BAD = [
      "guided_choice"),
     (COMP, {"prompt": "x", "suffix": "end"}, 400, "suffix", "suffix"),
     (COMP, {"prompt": "x", "use_beam_search": True}, 400, "beam", "use_beam_search"),
+    # tools default to tool_choice "auto", which needs a tool-call parser (none yet)
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools", "tools"),
+     "tool-call parser", "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400,
+     "name", "tools[0].function.name"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "text content", "messages"),
     (COMP, {"prompt": "x", "stop_token_ids": [123456]}, 400, "vocabulary", "stop_token_ids"),
