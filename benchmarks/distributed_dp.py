@@ -5,28 +5,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import time
 
 from benchmarks.common import make_workload
+from benchmarks.distributed import _generate
 
 
 def _builtin():
     from llmlab.builtin import ensure_builtin_model
 
     return str(ensure_builtin_model())
-
-
-def _timed_generate(llm, workload) -> float:
-    from llmlab import SamplingParams
-
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in workload.output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == workload.num_output_tokens
-    return wall
 
 
 def throughput(args: argparse.Namespace, model: str, vocab: int) -> dict:
@@ -39,8 +26,8 @@ def throughput(args: argparse.Namespace, model: str, vocab: int) -> dict:
     for name, dp in (("1 engine", 1), ("2 replicas", 2)):
         llm = LLM(model, device="cpu", seed=0, cpu_threads=1, data_parallel_size=dp)
         try:
-            _timed_generate(llm, warmup)
-            wall = _timed_generate(llm, workload)
+            _generate(llm, warmup)
+            wall = _generate(llm, workload)
         finally:
             shutdown = getattr(llm.llm_engine, "shutdown", None)
             if shutdown is not None:

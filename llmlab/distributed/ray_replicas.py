@@ -3,9 +3,10 @@
 
 :class:`RayReplicaHandle` is the :class:`~llmlab.distributed.replica_handle.ReplicaHandle`
 of a replica that runs in a Ray actor instead of a process started by llmlab. The actor
-runs the same replica loop as a replica process (:func:`run_replica`: build the engine,
-then :mod:`~llmlab.distributed.replica_process`'s loop), over the same kind of
-connection: a ``multiprocessing.connection.Connection``, here over TCP rather than a pipe.
+runs the same replica loop as a replica process
+(:func:`~llmlab.distributed.replica_process.run_replica`: build the engine, then the
+loop), over the same kind of connection: a ``multiprocessing.connection.Connection``,
+here over TCP rather than a pipe.
 
 Design:
 
@@ -62,13 +63,12 @@ import socket
 import struct
 import threading
 import time
-import traceback
 from typing import Any
 
 import attrs
 
 from llmlab.distributed.ray_workers import _connect, _death_reason, _import_ray
-from llmlab.distributed.replica_process import ReplicaSpec, ReplicaStartFailed, Shutdown
+from llmlab.distributed.replica_process import ReplicaSpec, Shutdown, run_replica
 
 logger = logging.getLogger(__name__)
 
@@ -130,30 +130,6 @@ def _set_recv_timeout(conn: Any, seconds: float) -> None:
 
 
 # -- the actor ---------------------------------------------------------------------------
-
-
-def run_replica(spec: ReplicaSpec, conn: Any) -> None:
-    """A replica over ``conn``: :func:`~llmlab.distributed.replica_process.replica_main`
-    without what only a child process needs (its own process group, a watch on its parent
-    process: Ray ends an actor whose owner died, and the loop ends on EOF)."""
-    from llmlab.distributed.replica_process import (
-        _build,
-        _close_engine,
-        _ReplicaLoop,
-        _send_quietly,
-    )
-
-    try:
-        engine = _build(spec)
-    except BaseException as err:  # noqa: BLE001 - reported to the front end, which raises
-        _send_quietly(conn, ReplicaStartFailed(
-            type(err).__name__, str(err), traceback.format_exc()
-        ))
-        return
-    try:
-        _ReplicaLoop(spec.index, engine, conn).run()
-    finally:
-        _close_engine(engine)
 
 
 class _ReplicaActor:

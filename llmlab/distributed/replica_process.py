@@ -154,6 +154,13 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
     # Ctrl-C in a terminal goes to the front end, which shuts replicas down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(spec.parent_pid)
+    run_replica(spec, conn)
+
+
+def run_replica(spec: ReplicaSpec, conn) -> None:
+    """Build the replica's engine (a failure is reported to the front end, which raises)
+    and run its loop over ``conn`` until told to stop or the front end goes. A replica
+    process and a Ray actor replica both run exactly this."""
     try:
         engine = _build(spec)
     except BaseException as err:  # noqa: BLE001 - reported to the front end, which raises
