@@ -6,9 +6,11 @@
 #   bash benchmarks/gpu_session.sh [STAGE] [pytest args...]
 #
 # STAGE: tests (the suite on CUDA, pytest-xdist), throughput (benchmarks.throughput --device
-# cuda), tests+throughput, bench (benchmarks.attention, then throughput), distributed
-# (benchmarks.gpu_distributed: data-parallel replicas sharing the GPU), or all (the
-# default: tests, then benchmarks.attention; about 10 minutes, one call's limit).
+# cuda), tests+throughput, attention (benchmarks.attention), bench (attention, then
+# throughput), distributed (benchmarks.gpu_distributed: data-parallel replicas sharing the
+# GPU), or all (the default: tests, then benchmarks.attention; about 10 minutes, one call's
+# limit). TPUT_ARGS and ATTN_ARGS add arguments to those two benchmarks (e.g.
+# TPUT_ARGS="--only llmlab", ATTN_ARGS=--quick) so several stages fit one call.
 #
 # Missing Python packages travel as wheels in .whl/ (installed into /tmp/site), because that
 # machine has no package index. Each stage has its own time limit so one stuck stage cannot
@@ -19,7 +21,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 stage=${1:-all}
 shift || true
-if [ -d .whl ]; then
+if [ -d /tmp/site ]; then
+    export PYTHONPATH=/tmp/site:$PWD    # an earlier stage of this call installed the wheels
+elif [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 else
@@ -55,15 +59,15 @@ if [ "$stage" = distributed ]; then
     tail -20 "$OUT/distributed.log"
 fi
 
-if [ "$stage" = bench ] || [ "$stage" = all ]; then
-    timeout -k 10 "${ATTN_TIMEOUT:-170}" python3 -m benchmarks.attention \
+if [ "$stage" = bench ] || [ "$stage" = all ] || [ "$stage" = attention ]; then
+    timeout -k 10 "${ATTN_TIMEOUT:-170}" python3 -m benchmarks.attention ${ATTN_ARGS:-} \
         --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1
     echo "attention exit $?"
     tail -45 "$OUT/attention.log"
 fi
 
 if [ "$stage" = throughput ] || [ "$stage" = bench ] || [ "$stage" = tests+throughput ]; then
-    timeout -k 10 "${TPUT_TIMEOUT:-300}" python3 -m benchmarks.throughput --device cuda \
+    timeout -k 10 "${TPUT_TIMEOUT:-300}" python3 -m benchmarks.throughput --device cuda ${TPUT_ARGS:-} \
         --json "$OUT/throughput.json" > "$OUT/throughput.log" 2>&1
     echo "throughput exit $?"
     tail -60 "$OUT/throughput.log"

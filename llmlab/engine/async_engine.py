@@ -429,8 +429,11 @@ class AsyncEngine:
                 if stream is None:
                     continue  # aborted by its caller meanwhile
                 item: Any = output
-                failure = self._failures.pop(output.request_id, None)
+                failure = None
                 if output.finished:
+                    # Only the final output takes the request's failure: a partial one
+                    # reported just before its replica died comes first in the same batch.
+                    failure = self._failures.pop(output.request_id, None)
                     del self._streams[output.request_id]
                     stream.finished = True
                     if failure is None and _engine_aborted(output):

@@ -16,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from llmlab import LLM, SamplingParams, registry
 from llmlab.distributed.data_parallel import (
@@ -29,6 +30,11 @@ from llmlab.routing.policies import PrefixAware
 from tests.helpers import builtin_names, subprocess_env
 
 SETTINGS = {"dtype": "float32", "seed": 0, "cpu_threads": 1, "max_model_len": 256}
+if torch.cuda.is_available():
+    # Replicas are processes of their own: tests/conftest.py's cap on each engine's share of
+    # the GPU does not reach them, and at gpu_memory_utilization's default each pair would
+    # take 90% of the card from the other pytest workers (seen on an H100).
+    SETTINGS["kv_cache_memory_bytes"] = 64 << 20
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [f"the {i} quick brown fox " * (1 + i % 3) for i in range(8)]
 

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.distributed.test_data_parallel import replica_children, wait_gone
+from tests.distributed.test_data_parallel import SETTINGS, replica_children, wait_gone
 from tests.server.conftest import metric, running
 
 pytest.importorskip("fastapi")
@@ -58,9 +58,7 @@ def test_200_streams_survive_a_killed_replica_and_the_server_reports_it(tiny_lla
     from llmlab.server.app import build_app
 
     dp = DataParallelEngine.from_settings(
-        tiny_llama, data_parallel_size=2, dtype="float32", seed=0, cpu_threads=1,
-        max_model_len=256,
-    )
+        tiny_llama, data_parallel_size=2, **SETTINGS)
     pids = [s.pid for s in dp.health()]
     # Which replica got each request (the front end's own routing decisions).
     routed: dict[int, set[str]] = {0: set(), 1: set()}

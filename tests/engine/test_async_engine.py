@@ -191,3 +191,51 @@ def _wait_until(condition, timeout=10.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
+
+
+def test_a_failure_raised_before_a_partial_output_still_ends_its_stream(tiny_llama):
+    """A data-parallel front end raises a dead replica's failure first, then hands over what
+    the replica reported before it died *and* the final "abort" output in one batch: the
+    stream ends with that failure, not a generic abort (seen on an H100, where a replica's
+    last report and its death were read together)."""
+    from llmlab.outputs import CompletionOutput, RequestOutput
+
+    inner = LLM(tiny_llama, dtype="float32").llm_engine
+
+    class DiesMidway:
+        def __init__(self):
+            self.state, self.held = "running", None
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def step(self):
+            if self.state == "raise":
+                self.state = "deliver"
+                raise RequestFailedError("r", "replica 1 (pid 7) died (killed by SIGKILL)")
+            if self.state == "deliver":
+                self.state = "done"
+                inner.abort_request("r")
+                final = RequestOutput("r", self.held.prompt, self.held.prompt_token_ids,
+                                      [CompletionOutput(0, "", [], None, finish_reason="abort")],
+                                      finished=True)
+                return [self.held, final]
+            outputs = inner.step()
+            held = [o for o in outputs if o.request_id == "r" and not o.finished]
+            if self.state == "running" and held:
+                self.state, self.held = "raise", held[0]
+                return [o for o in outputs if o is not held[0]]
+            return outputs
+
+    engine = AsyncEngine(DiesMidway())
+    try:
+        async def main():
+            stream = await engine.add_request(
+                "r", "Hello", SamplingParams(max_tokens=50, ignore_eos=True))
+            with pytest.raises(RequestFailedError, match="replica 1 .*SIGKILL"):
+                async for _ in stream:
+                    pass
+
+        run(main())
+    finally:
+        engine.shutdown()

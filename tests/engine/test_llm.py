@@ -264,7 +264,7 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     """The CUDA profiling forward (run here on CPU with the CUDA calls stubbed)."""
     from llmlab.engine import builder
 
-    engine = LLM(tiny_llama, max_model_len=48, max_num_batched_tokens=100).llm_engine
+    engine = LLM(tiny_llama, device="cpu", max_model_len=48, max_num_batched_tokens=100).llm_engine
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 10**9)
