@@ -108,6 +108,48 @@ def _allowed_token_ids(value: object) -> list[int] | None:
     return list(dict.fromkeys(ids))
 
 
+def _bias_item(key: object, value: object) -> tuple[int, float]:
+    # The OpenAI API sends token ids as JSON object keys, i.e. strings.
+    plain = isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit()
+    tok = int(key) if plain else key
+    tok = as_int("logit_bias key", tok, min=0, allowed="a token id >= 0")
+    return tok, as_real(f"logit_bias[{tok}]", value, min=-100, max=100)
+
+
+class LogitBias(dict):
+    """``SamplingParams.logit_bias``: a plain ``dict`` (vLLM code mutates it) whose every
+    change is checked as construction checks it; a bad item raises naming it and changes
+    nothing. The engine's snapshot holds a read-only copy."""
+
+    __slots__ = ()
+
+    def __init__(self, items: Mapping = ()) -> None:
+        super().__init__(_bias_item(k, v) for k, v in dict(items).items())
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(*_bias_item(key, value))
+
+    def setdefault(self, key: object, default: object = None) -> float:
+        tok, bias = _bias_item(key, default)
+        if tok not in self:
+            super().__setitem__(tok, bias)
+        return self[tok]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        checked = dict(_bias_item(k, v) for k, v in dict(*args, **kwargs).items())
+        super().update(checked)
+
+    def __ior__(self, other: Mapping) -> LogitBias:
+        self.update(other)
+        return self
+
+    def copy(self) -> LogitBias:
+        return LogitBias(self)
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+
 def _logit_bias(value: object) -> dict[int, float] | None:
     if value is None:
         return None
@@ -115,14 +157,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         raise TypeError(
             f"logit_bias must be a dict {{token_id: bias}}, got {type(value).__name__} {value!r}"
         )
-    bias = {}
-    for key, b in value.items():
-        # The OpenAI API sends token ids as JSON object keys, i.e. strings.
-        plain = isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit()
-        tok = int(key) if plain else key
-        tok = as_int("logit_bias key", tok, min=0, allowed="a token id >= 0")
-        bias[tok] = as_real(f"logit_bias[{tok}]", b, min=-100, max=100)
-    return FrozenDict(bias)
+    return LogitBias(value)
 
 
 def _logprobs(field: str, value: object) -> int | None:
@@ -531,7 +566,8 @@ class SamplingParams:
         return attrs.evolve(self, logits_processors=processors)
 
     def snapshot(self) -> SamplingParams:
-        """A read-only copy (lists as tuples; logits processors shared; equal to ``self``):
+        """A read-only copy (lists as tuples, ``logit_bias`` a read-only dict; logits
+        processors shared; equal to ``self``):
         what the engine keeps of a request's parameters, so later changes to ``self`` do
         not reach it, and what executors receive (read-only data). Assigning to it raises
         ``attrs.exceptions.FrozenInstanceError``; ``attrs.evolve`` / ``clone`` of it give a
@@ -543,6 +579,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(copied, name, tuple(value))
+        if self.logit_bias is not None:
+            object.__setattr__(copied, "logit_bias", FrozenDict(self.logit_bias))
         object.__setattr__(copied, "_sealed", True)
         return copied
 

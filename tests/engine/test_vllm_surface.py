@@ -48,6 +48,36 @@ def test_list_fields_are_lists():
     assert params.stop == ["one"]
 
 
+def test_logit_bias_is_a_dict_checked_on_every_change():
+    import pickle
+
+    params = SamplingParams(logit_bias={5: 1.0, "6": -2})
+    assert isinstance(params.logit_bias, dict) and params.logit_bias == {5: 1.0, 6: -2.0}
+    params.logit_bias[7] = 3  # vLLM code adds to it in place
+    params.logit_bias["8"] = 0.5
+    params.logit_bias.update({9: 1})
+    assert params.logit_bias == {5: 1.0, 6: -2.0, 7: 3.0, 8: 0.5, 9: 1.0}
+    with pytest.raises(ValueError, match=r"logit_bias\[10\]"):
+        params.logit_bias[10] = 500
+    with pytest.raises(ValueError, match="logit_bias key"):
+        params.logit_bias.update({11: 1, -1: 2})
+    assert 10 not in params.logit_bias and 11 not in params.logit_bias  # nothing changed
+    assert pickle.loads(pickle.dumps(params)).logit_bias == params.logit_bias
+    # The engine's snapshot is read-only and does not follow later changes.
+    snap = params.snapshot()
+    params.logit_bias[12] = 1
+    assert 12 not in snap.logit_bias
+    with pytest.raises(TypeError, match="read-only"):
+        snap.logit_bias[13] = 1
+
+
+def test_a_logit_bias_added_in_place_reaches_the_sampler(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={})
+    params.logit_bias[42] = 100
+    out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 4
+
+
 def test_use_beam_search_points_to_llm_beam_search():
     with pytest.raises(ValueError, match="LLM.beam_search"):
         SamplingParams(use_beam_search=True)
@@ -239,6 +269,10 @@ def test_engine_args_mirror_the_config(tiny_llama):
     with pytest.raises(ValueError, match="block_size"):
         EngineArgs(model=tiny_llama, block_size=0).create_engine_config()
     out = LLM(**vars(args)).generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    # AsyncEngineArgs' extra field is accepted too (it changes nothing offline).
+    async_args = AsyncEngineArgs(model=tiny_llama, max_num_seqs=4, disable_log_requests=True)
+    out = LLM(**vars(async_args)).generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 
 
