@@ -1,13 +1,20 @@
 """Serving overhead: ``llmlab serve`` (HTTP + SSE + AsyncEngine) vs offline ``LLM.generate``.
 
-One process, one model (the built-in tiny Llama unless ``--model``), one workload of random
-prompts. The server runs under uvicorn in a thread on 127.0.0.1; ``llmlab bench serve``'s
-client sends every request at once (or at ``--request-rate``), streaming, and the same
-prompts then go through ``LLM.generate`` on an engine built with the same settings. Both
+One model (the built-in story model unless ``--model``), one workload of random prompts.
+The server runs under uvicorn in a thread of this process on 127.0.0.1. The load generator
+is ``llmlab bench serve`` in a child process (``--client process``, the default), as a real
+client is: it does not share the server's interpreter lock, though on a small machine it
+still shares its cores. ``--client thread`` runs the same client in this process instead,
+competing with the server and the engine for one GIL (how this benchmark measured before
+issue 27's server work; kept to compare). The client sends every request at once (or at
+``--request-rate``), streaming; the same prompts then go through ``LLM.generate`` on an
+engine built with the same settings, in this process, after the server has stopped. Both
 generate exactly ``--output-len`` tokens per request (``ignore_eos``), greedy.
 
-Prints the bench table and ``server/offline`` output-token throughput: 1.0 would mean HTTP,
-JSON, SSE and the async hand-off cost nothing. Run:
+Prints the bench table (mean TTFT and ITL among it; an ITL is the gap between two text
+chunks, and a chunk holds several tokens when the server coalesced a stream's deltas, so
+TPOT is the per-token figure) and ``server/offline`` output-token throughput: 1.0 would
+mean HTTP, JSON, SSE and the async hand-off cost nothing. Run:
 
     python benchmarks/serve.py --num-prompts 200 --input-len 128 --output-len 64
 """
@@ -16,7 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -29,6 +41,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--client", choices=("process", "thread"), default="process",
+                        help="the load generator in a child process (default) or in a "
+                             "thread of this one, sharing the server's GIL")
     args = parser.parse_args()
 
     import uvicorn
@@ -58,10 +73,13 @@ def main() -> None:
     requests = sample_requests(config)
     # warm-up: first calls allocate and compile nothing twice in the timed run
     asyncio.run(benchmark(config, requests[:4]))
-    result = asyncio.run(benchmark(config, requests))
+    if args.client == "thread":
+        result = asyncio.run(benchmark(config, requests))
+        print(format_report(result))
+    else:
+        result = _bench_in_child(config, requests)
     server.should_exit = True
     thread.join(30)
-    print(format_report(result))
 
     llm = LLM(model, **settings)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
@@ -75,6 +93,26 @@ def main() -> None:
     print(f"offline LLM.generate: {offline_s:.2f} s, {offline_tps:.1f} output tok/s")
     print(f"server (HTTP, streaming): {result['duration']:.2f} s, {server_tps:.1f} output tok/s")
     print(f"ratio server/offline output throughput: {server_tps / offline_tps:.2f}")
+
+
+def _bench_in_child(config, requests) -> dict:
+    """``llmlab bench serve`` in a child process on exactly ``requests`` (a JSON dataset of
+    their prompts and lengths); prints its report and returns its saved result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = os.path.join(tmp, "prompts.json")
+        with open(dataset, "w", encoding="utf-8") as f:
+            json.dump([{"prompt": r.prompt, "max_tokens": r.output_len} for r in requests], f)
+        result_file = os.path.join(tmp, "result.json")
+        command = [
+            sys.executable, "-m", "llmlab", "bench", "serve", "--base-url", config.base_url,
+            "--dataset-name", "json", "--dataset-path", dataset,
+            "--num-prompts", str(len(requests)), "--request-rate", str(config.request_rate),
+            "--seed", str(config.seed), "--temperature", str(config.temperature),
+            "--ignore-eos", "--disable-tqdm", "--result-file", result_file,
+        ]
+        subprocess.run(command, check=True)
+        with open(result_file, encoding="utf-8") as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":

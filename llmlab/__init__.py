@@ -18,10 +18,24 @@ from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
 from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
-from llmlab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmlab.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from llmlab.errors import ExecutorDeadError
 from llmlab.inputs import PromptType, TextPrompt, TokensPrompt
 from llmlab.llm import LLM
+from llmlab.pooling import PoolerConfig
+from llmlab.pooling_params import PoolingParams
 from llmlab.registry import register
 from llmlab.request import Request, RequestStatus
 from llmlab.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -50,8 +64,12 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "DataParallelEngine",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Engine",
     "EngineArgs",
     "EngineBuilder",
@@ -62,6 +80,10 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "Policy",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "PromptType",
     "DraftRequest",
     "Proposal",
@@ -73,6 +95,8 @@ __all__ = [
     "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StepEvent",
     "StructuredOutputsParams",
     "TextPrompt",

@@ -195,6 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         chat_template = _read_chat_template(args.chat_template)
         origins = _origins(args.allowed_origins)
+        tool_parser = _tool_parser(args)
         engine = AsyncEngine.from_settings(model, **_engine_settings(args))
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
@@ -209,7 +210,9 @@ def _serve(args: argparse.Namespace) -> int:
                     max_queued_sequences=args.max_queued_sequences,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                    response_role=args.response_role, root_path=args.root_path)
+                    response_role=args.response_role, root_path=args.root_path,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    tool_call_parser=tool_parser)
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     # SIGINT/SIGTERM: uvicorn stops accepting connections; requests in flight get
@@ -299,6 +302,18 @@ def _read_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
     return value
+
+
+def _tool_parser(args: argparse.Namespace):
+    """``--tool-call-parser``'s factory, checked before the model loads (None: none)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
+                         "(`llmlab components tool_parser` lists them)")
+    if args.tool_call_parser is None:
+        return None
+    from llmlab.server.tool_parsers import parser_factory
+
+    return parser_factory(args.tool_call_parser)
 
 
 def _origins(values: list[str] | None) -> list[str]:
@@ -482,6 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the role of chat completion replies (default assistant)")
     serve.add_argument("--root-path", default=None,
                        help="the path prefix a proxy serves this app under (FastAPI's root_path)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): tool calls found in '
+                            "the model's text by --tool-call-parser (vLLM's flag)")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="a tool_parser component (built-in: hermes) or module:Class; "
+                            "`llmlab components tool_parser` lists them")
     bench = commands.add_parser("bench", help="benchmarks", allow_abbrev=False)
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_commands.add_parser(

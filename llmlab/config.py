@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from llmlab.dtypes import dtype_from_name
+from llmlab.pooling.pooler import PoolerConfig
 from llmlab.speculative.config import SpeculativeConfig
 from llmlab.validation import as_bool, as_choice, as_int, as_real, as_seed, as_str
 
@@ -54,6 +55,12 @@ def _single_device(field: str, value: object) -> int:
             "(only 1 is allowed); use tensor_parallel_size to split a model"
         )
     return size
+
+
+RUNNERS = ("generate", "pooling", "auto")
+# vLLM's older ``task`` values; a pooling one selects runner="pooling" (docs/pooling.md).
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward")
+POOLING_TASK_NAMES = ("embed", "embedding", "classify", "score", "reward")
 
 
 # vLLM's names: "mp" (worker processes started by llmlab), "ray" (Ray actors), "uni" (one
@@ -153,6 +160,21 @@ class EngineConfig:
         distributed_timeout_s: how long a rank waits on a collective (or a worker to start)
             before the group is declared broken; a rank that dies is noticed sooner (its
             connections close).
+
+        runner: ``"generate"`` (text generation: ``LLM.generate``), ``"pooling"`` (prefill
+            only, one vector per prompt: ``LLM.embed`` / ``classify`` / ``score`` /
+            ``encode``; docs/pooling.md), or ``"auto"`` (pooling for a
+            ``*ForSequenceClassification`` checkpoint, else generate).
+        task: vLLM's older spelling: ``"embed"`` (``"embedding"``), ``"classify"``,
+            ``"score"`` or ``"reward"`` means ``runner="pooling"`` with that default task
+            (``"reward"``: the architecture's own); ``"generate"`` means
+            ``runner="generate"``; ``"auto"`` leaves ``runner`` to decide.
+        pooler_config: how a pooling model pools (vLLM's
+            :class:`~llmlab.pooling.PoolerConfig`: ``pooling_type`` ``last`` / ``mean`` /
+            ``cls``, ``normalize``, ``use_activation``), a dict or its JSON; None: the
+            checkpoint's sentence-transformers settings, else last-token pooling with
+            normalized embeddings. ``override_pooler_config`` is vLLM's older name (both
+            may not be set).
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -277,7 +299,40 @@ class EngineConfig:
         default="auto", converter=functools.partial(_only, "kv_cache_dtype", "auto")
     )
 
+    runner: str = attrs.field(
+        default="generate", converter=functools.partial(as_choice, "runner", choices=RUNNERS)
+    )
+    task: str = attrs.field(
+        default="auto", converter=functools.partial(as_choice, "task", choices=TASKS)
+    )
+    pooler_config: PoolerConfig | None = attrs.field(
+        default=None, converter=functools.partial(PoolerConfig.of, field="pooler_config")
+    )
+    override_pooler_config: PoolerConfig | None = attrs.field(
+        default=None,
+        converter=functools.partial(PoolerConfig.of, field="override_pooler_config"),
+    )
+
+    @property
+    def runner_type(self) -> str:
+        """``runner`` with ``task`` applied: ``"generate"``, ``"pooling"`` or ``"auto"``
+        (resolved against the architecture when the engine is built)."""
+        if self.task in POOLING_TASK_NAMES:
+            return "pooling"
+        if self.task == "generate":
+            return "generate"
+        return self.runner
+
     def __attrs_post_init__(self) -> None:
+        if self.task == "generate" and self.runner == "pooling":
+            raise ValueError(
+                "task='generate' and runner='pooling' contradict each other; set one"
+            )
+        if self.pooler_config is not None and self.override_pooler_config is not None:
+            raise ValueError(
+                "pooler_config and override_pooler_config are one setting (the latter is "
+                "vLLM's older name); set only pooler_config"
+            )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one process, but "

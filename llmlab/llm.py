@@ -12,12 +12,21 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
 from llmlab.distributed.data_parallel import DataParallelEngine, build_engine
 from llmlab.engine.engine import Engine
 from llmlab.engine.inputs import PromptType, render_chat
 from llmlab.engine.metrics_reader import EngineCounters, Metric, collect
-from llmlab.engine.outputs import RequestOutput
+from llmlab.engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -216,6 +225,12 @@ class LLM:
         error or Ctrl-C the engine holds none of this call's requests and no blocks for
         them. Calls from several threads run one after another.
         """
+        if getattr(self.llm_engine, "pooling", None) is not None:
+            raise ValueError(
+                "LLM.generate needs a generating model, but this LLM runs a pooling model "
+                "(runner='pooling'): use embed, classify, score or encode, or build it with "
+                "runner='generate'"
+            )
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -244,6 +259,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template.
 
@@ -251,8 +267,10 @@ class LLM:
         list of them. ``chat_template`` overrides the tokenizer's; ``add_generation_prompt``
         appends the assistant turn's opening; ``continue_final_message`` continues the last
         (assistant) message instead (the two exclude each other);
-        ``chat_template_kwargs`` go to the template. The rendered text is then generated
-        exactly as ``generate`` would generate it.
+        ``chat_template_kwargs`` go to the template. ``tools`` (OpenAI's function
+        definitions, as vLLM's ``LLM.chat`` takes them) go to the template as its ``tools``;
+        the reply is not parsed for calls (``llmlab serve`` does that). The rendered text is
+        then generated exactly as ``generate`` would generate it.
         """
         prompts = self.render_chat(
             messages,
@@ -260,6 +278,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -271,10 +290,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[dict]:
         """The prompts ``chat`` generates from: ``{"prompt": text, "prompt_token_ids": ids}``
         per conversation. A template that writes the BOS token itself is not given a second
         one by the tokenizer."""
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise TypeError(f"tools must be a list of dicts (OpenAI's tool definitions), "
+                                f"got {type(tools).__name__}")
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         return render_chat(
             self.get_tokenizer(),
             messages,
@@ -347,6 +372,157 @@ class LLM:
             if bar is not None:
                 bar.close()
 
+    # -- pooling (runner="pooling"; docs/pooling.md) ------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt (vLLM's ``LLM.encode``): one ``PoolingRequestOutput`` per prompt,
+        in order, whose ``outputs.data`` is a 1-D float32 tensor. ``pooling_task``
+        (``"embed"``, ``"classify"``, ``"score"``, ``"encode"``) sets the task of params
+        that name none; None: the model's default task. Needs ``runner="pooling"``."""
+        return self._pool(
+            prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens, "encode"
+        )
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (vLLM's ``LLM.embed``): ``outputs.embedding``, a list of
+        floats (L2-normalized unless ``normalize=False``; the first ``dimensions`` values
+        when set). Needs ``runner="pooling"`` on a model that embeds."""
+        outs = self._pool(
+            prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens, "embed"
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's ``LLM.classify``): ``outputs.probs``, the
+        softmax of the classifier's logits (sigmoid for one label; the logits themselves
+        with ``use_activation=False``). Needs a ``*ForSequenceClassification`` model."""
+        outs = self._pool(
+            prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens, "classify"
+        )
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance scores of text pairs (vLLM's ``LLM.score``): ``data_1[i]`` against
+        ``data_2[i]``, or one ``data_1`` against every ``data_2``; one
+        ``ScoringRequestOutput`` per pair, ``outputs.score`` a float.
+
+        A cross-encoder (a classifier with one label) reads each pair as the tokenizer's
+        pair encoding and scores it with the sigmoid of its logit (the logit itself with
+        ``use_activation=False``); an embedding model scores the cosine similarity of the
+        two texts' embeddings.
+        """
+        engine = self._pooling_engine("score")
+        pairs = _score_pairs(data_1, data_2)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(
+                f"pooling_params must be PoolingParams or None, got "
+                f"{type(pooling_params).__name__}"
+            )
+        params = pooling_params or PoolingParams()
+        if "score" in engine.pooling.tasks:
+            tokenizer = self.get_tokenizer()
+            if tokenizer is None:
+                raise ValueError("score needs a tokenizer (the LLM has skip_tokenizer_init)")
+            prompts = [
+                {"prompt_token_ids": tokenizer(a, text_pair=b)["input_ids"]} for a, b in pairs
+            ]
+            outs = self._pool(prompts, params, "score", use_tqdm, truncate_prompt_tokens, "score")
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        if "embed" not in engine.pooling.tasks:
+            raise ValueError(
+                "score needs a cross-encoder (a classifier with num_labels=1) or an "
+                f"embedding model; this model has num_labels={engine.pooling.num_labels}"
+            )
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = self._pool(texts, params, "embed", use_tqdm, truncate_prompt_tokens, "score")
+        by_text = dict(zip(texts, embedded, strict=True))
+        outs = []
+        for a, b in pairs:
+            first, second = by_text[a], by_text[b]
+            similarity = torch.nn.functional.cosine_similarity(
+                first.outputs.data, second.outputs.data, dim=0
+            )
+            outs.append(ScoringRequestOutput(
+                request_id=f"{first.request_id}_{second.request_id}",
+                outputs=ScoringOutput(float(similarity)),
+                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids,
+                finished=True,
+            ))
+        return outs
+
+    def _pooling_engine(self, method: str) -> Engine:
+        engine = self.llm_engine
+        if isinstance(engine, DataParallelEngine):
+            raise NotImplementedError(f"LLM.{method} is not supported with data_parallel_size > 1")
+        if engine.pooling is None:
+            raise ValueError(
+                f"LLM.{method} needs a pooling model: this LLM generates text "
+                "(runner='generate'); build it with runner='pooling' (or vLLM's "
+                "task='embed' / 'classify' / 'score')"
+            )
+        return engine
+
+    def _pool(self, prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens, method):
+        """Run pooling requests of ``task`` (None: each params' own, else the model's
+        default) and return their ``PoolingRequestOutput``s in prompt order."""
+        engine = self._pooling_engine(method)
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(pooling_params, len(prompt_list), PoolingParams)
+        own = []
+        for i, params in enumerate(params_list):
+            if task is not None and params.task not in (None, task):
+                raise ValueError(
+                    f"pooling_params[{i}].task={params.task!r}, but LLM.{method} runs "
+                    f"task={task!r}; leave task None or use LLM.encode"
+                )
+            params = attrs.evolve(params, task=task or params.task)
+            if truncate_prompt_tokens is not None:
+                params = attrs.evolve(params, truncate_prompt_tokens=truncate_prompt_tokens)
+            own.append(params)
+        with self._lock:
+            ids = self._new_ids(len(prompt_list))
+            try:
+                # Checked (and resolved against the model's tasks) before any is queued.
+                prepared = [
+                    engine.prepare_request(request_id, prompt, params)
+                    for request_id, prompt, params in zip(ids, prompt_list, own, strict=True)
+                ]
+                for request in prepared:
+                    engine.add_prepared_request(request)
+                return self._run(ids, use_tqdm)
+            finally:
+                self._abort_quietly(ids)
+
     def _new_ids(self, n: int) -> list[str]:
         """Fresh request ids that no request in the engine uses (a user's own included)."""
         ids = []
@@ -388,11 +564,13 @@ class LLM:
                         continue
                     pending.discard(out.request_id)
                     done[out.request_id] = out
-                    num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):  # a pooling output generates none
+                        num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                     if bar is not None:
                         bar.update(1)
-                        rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
-                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                        if num_output_tokens:  # a pooling run has no output tokens to rate
+                            rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
+                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
@@ -457,22 +635,51 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     )
 
 
-def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+def _score_pairs(data_1: Any, data_2: Any) -> list[tuple[str, str]]:
+    """vLLM's pairing: one ``data_1`` against every ``data_2``, or ``data_1[i]`` against
+    ``data_2[i]``; texts only."""
+    def texts(field: str, value: Any) -> list[str]:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, (bytes, dict)) or not isinstance(items, Sequence) or not items:
+            raise ValueError(f"{field} must be a str or a non-empty list of str, got {value!r}")
+        for i, item in enumerate(items):
+            if not isinstance(item, str) or not item:
+                raise ValueError(f"{field}[{i}] must be a non-empty str, got {item!r}")
+        return list(items)
+
+    first, second = texts("data_1", data_1), texts("data_2", data_2)
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(
+            f"data_1 has {len(first)} texts and data_2 {len(second)}: pass one data_1, or "
+            "as many as data_2"
+        )
+    return list(zip(first, second, strict=True))
+
+
+def _as_params_list(params: Any, n: int, kind: type = SamplingParams) -> list:
+    """One ``kind`` (SamplingParams or PoolingParams) per prompt: None (the defaults), one
+    for every prompt, or a list of ``n``; anything else is an error naming the argument."""
+    field = "sampling_params" if kind is SamplingParams else "pooling_params"
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
+    if kind is PoolingParams and isinstance(params, SamplingParams):
+        raise TypeError(
+            "pooling_params must be PoolingParams (SamplingParams are for LLM.generate)"
+        )
     if not isinstance(params, Sequence):
         raise TypeError(
-            f"sampling_params must be SamplingParams or a list of them, got "
-            f"{type(params).__name__}"
+            f"{field} must be {kind.__name__} or a list of them, got {type(params).__name__}"
         )
     params = list(params)
     if len(params) != n:
         raise ValueError(
-            f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt"
+            f"got {len(params)} {kind.__name__} for {n} prompts; pass one, or one per prompt"
         )
     for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
+        if not isinstance(p, kind):
+            raise TypeError(f"{field}[{i}] must be {kind.__name__}, got {type(p).__name__}")
     return params

@@ -17,9 +17,12 @@ module (which may register more names) and instantiates the class with no argume
 ``llmlab components`` lists every registered name with the first line of its docstring.
 
 Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler``,
-``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`) and
-``model``. The registry maps names to *factories* (usually classes) called with no
-arguments; each engine gets fresh instances, so no state is shared between engines. Models
+``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`),
+``pooler`` (one request's hidden states -> one vector: :mod:`llmlab.pooling`),
+``tool_parser`` (tool calls in a model's text, for the server's ``tool_choice="auto"``:
+:mod:`llmlab.server.tool_parsers`) and ``model``. The registry maps names to *factories*
+(usually classes) called with no arguments; each engine gets fresh instances, so no state
+is shared between engines. Models
 are the exception: a ``model`` name is a Hugging Face architecture (``config.json``'s
 ``architectures``) and its class is built by the loader from that config
 (:func:`llmlab.models.register_model` adds one).
@@ -42,6 +45,8 @@ KINDS: dict[str, str] = {
     "model": "llmlab.models.registry",
     "proposer": "llmlab.speculative",
     "router": "llmlab.routing",
+    "pooler": "llmlab.pooling.pooler",
+    "tool_parser": "llmlab.server.tool_parsers",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -91,6 +96,12 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
     "router": (
         Method("route", ("request", "replicas"), returns="int"),
     ),
+    "pooler": (
+        Method("pool", ("hidden_states",), returns="Tensor"),
+    ),
+    "tool_parser": (
+        Method("extract", ("text", "tools"), returns="tuple[str | None, list[ParsedCall]]"),
+    ),
     "model": (
         Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),
         Method("compute_logits", ("hidden",), returns="Tensor"),
@@ -99,9 +110,10 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
 }
 """Each kind's required methods and the call shapes the engine uses, in one place. The
 protocols in ``scheduler/policy.py``, ``cache/eviction.py``, ``attention/backend.py``,
-``sampling/sampler.py``, ``speculative/proposer.py``, ``routing/policy.py`` and
-``models/base.py`` document them; :func:`check` holds a component (or a model class) to
-them before an engine loads weights."""
+``sampling/sampler.py``, ``speculative/proposer.py``, ``routing/policy.py``,
+``pooling/pooler.py``, ``server/tool_parsers.py`` and ``models/base.py`` document them;
+:func:`check` holds a component (or a model class) to them before an engine loads
+weights."""
 
 # The scheduling policy's older form (scheduler.policy.OrderPolicy adapts it).
 LEGACY_SCHEDULING: tuple[Method, ...] = (

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.params import SamplingParams
 
 
@@ -98,6 +99,12 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # A pooling request (prefill only): its resolved parameters (``sampling_params`` is
+    # then a placeholder that generates nothing), whether its pooler reads every prompt
+    # position (so no prefix-cache hit may skip one), and its pooled output once computed.
+    pooling_params: PoolingParams | None = None
+    pools_all_positions: bool = False
+    pooled: Any = None
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property
@@ -138,6 +145,12 @@ class Request:
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < len(self.prompt_token_ids)
         )
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Every prompt position must be computed for this request (no prefix-cache hit):
+        prompt logprobs not all recorded yet, or a pooler that reads every position."""
+        return self.pools_all_positions or self.needs_prompt_logprobs
 
     def append_output(self, token_id: int, logprob: float, top: Any = None) -> None:
         self.output_token_ids.append(token_id)
@@ -198,6 +211,9 @@ class RequestView:
     user = property(lambda self: self._request.user)
     seq = property(lambda self: self._request.seq, doc="arrival order (ties)")
     sampling_params = property(lambda self: self._request.sampling_params)  # frozen
+    pooling_params = property(
+        lambda self: self._request.pooling_params, doc="set for a pooling request (prefill only)"
+    )
     status = property(lambda self: self._request.status)
     num_prompt_tokens = property(lambda self: len(self._request.prompt_token_ids))
     num_output_tokens = property(lambda self: len(self._request.output_token_ids))

@@ -37,9 +37,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmlab.engine.engine import Engine, PreparedRequest, PromptType
-from llmlab.engine.outputs import RequestOutput
+from llmlab.engine.outputs import PoolingRequestOutput, RequestOutput
 from llmlab.errors import RequestFailedError
-from llmlab.sampling.params import SamplingParams
+from llmlab.pooling_params import PoolingParams
+from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,20 @@ class RequestStream:
     :meth:`abort` (or leaving an ``async with`` block) stops the request if it is still
     running and frees its KV blocks; the stream then ends at once (outputs delivered but
     not read yet are dropped).
+
+    With ``delta`` (the request's ``output_kind`` is DELTA), outputs that arrive while the
+    reader has not taken the previous one are merged into it, as vLLM's
+    ``RequestOutputCollector`` does: a reader slower than the engine's steps (a client
+    reading slowly, a busy event loop) gets one output with everything new since its last
+    read, never a backlog of one per step.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop,
+                 delta: bool = False):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = _Outputs(merge_deltas=delta)
         self.finished = False  # the engine will send nothing more
         self._ended = False  # the reader has seen the end marker
         self._aborted = False  # aborted by the caller: outputs still queued are dropped
@@ -111,6 +119,24 @@ class RequestStream:
 
     def _put(self, item: Any) -> None:
         self._queue.put_nowait(item)
+
+
+class _Outputs(asyncio.Queue):
+    """A stream's queue. With ``merge_deltas``, a :class:`RequestOutput` put behind another
+    still unread is folded into it (:meth:`RequestOutput.add`); errors and the end marker
+    queue as they come. (``_put`` is asyncio.Queue's hook for subclasses, as LifoQueue's.)"""
+
+    def __init__(self, merge_deltas: bool) -> None:
+        super().__init__()
+        self._merge_deltas = merge_deltas
+
+    def _put(self, item: Any) -> None:
+        if self._merge_deltas and isinstance(item, RequestOutput) and self._queue:
+            last = self._queue[-1]
+            if isinstance(last, RequestOutput):
+                last.add(item, aggregate=True)
+                return
+        super()._put(item)
 
 
 class AsyncEngine:
@@ -269,7 +295,8 @@ class AsyncEngine:
                 priority, user,
             ),
         )
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
+        stream = RequestStream(request_id, self, asyncio.get_running_loop(), delta=delta)
         with self._cond:
             if not self.is_running:
                 raise EngineDeadError(self._dead_reason())
@@ -299,6 +326,27 @@ class AsyncEngine:
         """
         stream = await self.add_request(
             request_id, prompt, sampling_params, priority=priority, user=user
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | int | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Yield a pooling request's output (vLLM's ``encode``; ``runner="pooling"``): one
+        :class:`~llmlab.engine.outputs.PoolingRequestOutput`, when its prompt is pooled.
+        Closing the generator early aborts the request and frees its blocks."""
+        stream = await self.add_request(
+            request_id, prompt, pooling_params or PoolingParams(), priority=priority, user=user
         )
         try:
             async for output in stream:
@@ -483,7 +531,9 @@ def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
         stream._put(item)
 
 
-def _engine_aborted(output: RequestOutput) -> bool:
+def _engine_aborted(output: RequestOutput | PoolingRequestOutput) -> bool:
+    if isinstance(output, PoolingRequestOutput):
+        return output.outputs is None  # ended without a pooled output
     return any(c.finish_reason == "abort" for c in output.outputs)
 
 

@@ -35,6 +35,8 @@ from llmlab.config import EngineConfig
 from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
 from llmlab.engine.model_runner import ModelRunner
+from llmlab.engine.pooling_rows import PoolingRows
+from llmlab.engine.pooling_setup import pooling_spec
 from llmlab.kernels import cpu_kernels
 from llmlab.kernels.cpu_linear import (
     auto_packed_dtypes,
@@ -49,6 +51,7 @@ from llmlab.models.loader import (
     resolve_model_path,
 )
 from llmlab.models.registry import get_model_class
+from llmlab.pooling.task import PoolingSpec
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
@@ -99,7 +102,11 @@ class EngineBuilder:
         **settings: Any,
     ) -> EngineBuilder:
         """A builder from ``LLM``'s arguments: the components, and ``EngineConfig`` fields as
-        keywords. Raises ``ValueError`` naming any keyword that is neither."""
+        keywords. Raises ``ValueError`` naming any keyword that is neither.
+        ``disable_log_requests`` (an ``AsyncEngineArgs`` field, so that
+        ``LLM(**vars(AsyncEngineArgs(...)))`` works) is accepted and changes nothing: the
+        engine logs no per-request lines."""
+        settings.pop("disable_log_requests", None)
         unknown = sorted(set(settings) - set(CONFIG_FIELDS))
         if unknown:
             raise ValueError(
@@ -171,6 +178,7 @@ class EngineBuilder:
             default_sampling_params=default_sampling_params(plan.model_path),
             max_logprobs=cfg.max_logprobs,
             grammars=rank.grammars,
+            pooling=plan.pooling,
         )
         if callable(getattr(rank.length, "observe", None)):
             engine.subscribe(rank.length.observe)  # an adaptive length learns from step events
@@ -198,6 +206,7 @@ class EngineBuilder:
         # Reject an unsupported architecture, or a model class that breaks the model
         # contract, before loading any weights.
         registry.check("model", get_model_class(getattr(hf_config, "architectures", None)))
+        pooling = pooling_spec(cfg, hf_config, str(model_path))  # None: it generates
         max_model_len = _max_model_len(cfg, hf_config)
         cfg = resolve_step_settings(cfg, device.type, max_model_len)
         dtype = resolve_dtype(cfg.dtype, hf_config, device)
@@ -220,7 +229,7 @@ class EngineBuilder:
         return BuildPlan(
             config=cfg, model_path=str(model_path), hf_config=hf_config,
             max_model_len=max_model_len, dtype=dtype, device=device, prepack=prepack,
-            attention=attention, sampler=sampler,
+            attention=attention, sampler=sampler, pooling=pooling,
         )
 
 
@@ -238,6 +247,7 @@ class BuildPlan:
     prepack: bool
     attention: AttentionBackend
     sampler: Sampler
+    pooling: PoolingSpec | None = None  # runner="pooling": its tasks, pooler, defaults
 
 
 @attrs.define
@@ -377,6 +387,12 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
     kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
     runner = runner_for(kv_caches, num_blocks)
     runner.threads = threads
+    if plan.pooling is not None:
+        runner.pooling = PoolingRows(
+            registry.create("pooler", plan.pooling.pooling_type),
+            getattr(model, "classify", None),
+            plan.pooling.hidden_size,
+        )
     length = None
     if cfg.speculative_config is not None:
         length = _speculate(

@@ -43,6 +43,8 @@ from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.output_processor import OutputProcessor
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError, raise_first
+from llmlab.pooling.task import PoolingSpec
+from llmlab.pooling_params import PoolingParams
 from llmlab.request import Request
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
@@ -77,6 +79,8 @@ class Engine:
     observers: list[StepObserver] = attrs.field(factory=list)
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
     grammars: GrammarFactory | None = None  # shared with the executor: one compile cache
+    # A pooling engine's tasks and defaults (runner="pooling"), or None (it generates).
+    pooling: PoolingSpec | None = None
     inputs: InputProcessor = attrs.field(default=None)
     outputs: OutputProcessor = attrs.field(default=None)
     # Live requests by their own id (a parallel sample's id is ``f"{index}_{request_id}"``).
@@ -118,7 +122,7 @@ class Engine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
@@ -130,6 +134,9 @@ class Engine:
         sequence of token ids (list, tuple, numpy array or 1-D torch tensor).
         ``priority``: lower is served first by policies that read it (vLLM's semantics).
         ``user``: who sent it; per-user policies such as ``fair`` share service by user.
+        ``params``: ``SamplingParams`` on a generating engine; ``PoolingParams`` on a
+        pooling one (``runner="pooling"``; None: the model's default task), whose output
+        is a :class:`~llmlab.engine.outputs.PoolingRequestOutput` (vLLM's).
         """
         prepared = self.prepare_request(request_id, prompt, params, arrival_time, priority, user)
         self.add_prepared_request(prepared)
@@ -138,7 +145,7 @@ class Engine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
@@ -339,7 +346,8 @@ class Engine:
             finished.extend(self._drop_forks(request))
         self.outputs.stamp(batch_requests.values(), progressed, finished + failed, start,
                            self.clock())
-        self._undelivered.extend(self.outputs.outputs(progressed, failed))
+        pooled = [r for r in finished if r.pooling_params is not None]
+        self._undelivered.extend(self.outputs.outputs(progressed, failed, pooled))
         for request in finished + failed:
             self._forget(request)
 

@@ -34,11 +34,13 @@ class Arrival:
 
     @classmethod
     def of(cls, prepared: Any) -> Arrival:
-        """The arrival of a ``PreparedRequest``."""
+        """The arrival of a ``PreparedRequest`` (a pooling request generates nothing:
+        ``max_tokens`` 0)."""
         params = prepared.params
+        max_tokens, n = getattr(params, "max_tokens", 0), getattr(params, "n", 1)
         return cls(
             prepared.request_id, prepared.arrival_time, len(prepared.prompt_token_ids),
-            params.max_tokens, params.n, prepared.priority, prepared.user,
+            max_tokens, n, prepared.priority, prepared.user,
         )
 
 

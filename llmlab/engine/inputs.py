@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from llmlab.pooling.task import PoolingSpec
+from llmlab.pooling_params import PoolingParams
 from llmlab.request import Request, SampleGroup
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
@@ -30,6 +32,10 @@ PromptType = str | dict | Sequence[int]
 CHARS_PER_TOKEN = 32
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+# A pooling request's ``sampling_params``: never read to sample (it generates nothing),
+# but policies and output processing may look at it.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False).snapshot()
 
 
 def check_prompt_text(field: str, text: str, max_model_len: int) -> None:
@@ -53,7 +59,7 @@ class PreparedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     priority: int = 0
     user: str | None = None
@@ -71,6 +77,8 @@ class InputProcessor:
         block_size, num_kv_blocks: the KV cache's geometry (a prompt must fit it).
         max_logprobs: the most logprobs a request may ask for (-1: no limit).
         grammars: compiles structured-output constraints (shared with the executor).
+        pooling: a pooling engine's tasks and defaults (``runner="pooling"``: requests
+            take ``PoolingParams``), or None (a generating engine: ``SamplingParams``).
     """
 
     tokenizer: Any | None
@@ -82,6 +90,7 @@ class InputProcessor:
     num_kv_blocks: int
     max_logprobs: int = 20
     grammars: GrammarFactory | None = None
+    pooling: PoolingSpec | None = None
 
     @classmethod
     def of(cls, engine: Any) -> InputProcessor:
@@ -90,7 +99,7 @@ class InputProcessor:
         return cls(
             engine.tokenizer, engine.vocab_size, engine.max_model_len, engine.eos_token_ids,
             engine.scheduler.max_num_seqs, kv.block_size, kv.num_blocks,
-            engine.max_logprobs, engine.grammars,
+            engine.max_logprobs, engine.grammars, getattr(engine, "pooling", None),
         )
 
     def prepare(
@@ -109,12 +118,7 @@ class InputProcessor:
             raise TypeError(
                 f"request_id must be a str, got {type(request_id).__name__} {request_id!r}"
             )
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
-        # SamplingParams are mutable (vLLM's): the request keeps its own read-only copy, so
-        # the caller changing (or reusing) the object afterwards does not reach the engine.
-        params = params.snapshot()
+        params = self._params(params)
         arrival_time = as_real("arrival_time", arrival_time, allow_none=True)
         priority = as_int("priority", priority)
         if user is not None and not isinstance(user, str):
@@ -136,6 +140,12 @@ class InputProcessor:
                 f"{self.block_size} tokens, but the whole KV cache has {self.num_kv_blocks}; "
                 "shorten the prompt or give the cache more memory"
             )
+        if isinstance(params, PoolingParams):
+            return PreparedRequest(
+                request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+                arrival_time=now if arrival_time is None else arrival_time,
+                priority=priority, user=user,
+            )
         self.check_params(params)
         grammar = None
         if params.structured_outputs is not None:
@@ -150,6 +160,37 @@ class InputProcessor:
             user=user,
             grammar=grammar,
         )
+
+    def _params(self, params: object) -> SamplingParams | PoolingParams:
+        """The request's own read-only copy of its parameters, of the kind this engine
+        runs: ``SamplingParams`` on a generating engine, ``PoolingParams`` on a pooling
+        one (checked against the model's tasks, defaults filled in)."""
+        if self.pooling is not None:
+            if params is None:
+                params = PoolingParams()
+            if isinstance(params, SamplingParams):
+                raise ValueError(
+                    "params is SamplingParams, but this engine runs a pooling model "
+                    "(runner='pooling'): it embeds, classifies or scores (PoolingParams); "
+                    "to generate text, build it with runner='generate'"
+                )
+            if not isinstance(params, PoolingParams):
+                raise TypeError(
+                    f"params must be PoolingParams or None, got {type(params).__name__}"
+                )
+            return self.pooling.resolve(params)
+        if isinstance(params, PoolingParams):
+            raise ValueError(
+                "params is PoolingParams, but this engine generates text "
+                "(runner='generate'); to embed, classify or score, build it with "
+                "runner='pooling'"
+            )
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
+        # SamplingParams are mutable (vLLM's): the request keeps its own read-only copy, so
+        # the caller changing (or reusing) the object afterwards does not reach the engine.
+        return params.snapshot()
 
     def check_params(self, params: SamplingParams) -> None:
         """What only the engine can check: vocabulary, tokenizer, limits."""
@@ -245,6 +286,18 @@ class InputProcessor:
         """The request, or its ``best_of`` parallel samples (the first one leads; a
         sample's id is ``f"{index}_{request_id}"``)."""
         request_id, params = prepared.request_id, prepared.params
+        if isinstance(params, PoolingParams):
+            return [Request(
+                request_id=request_id,
+                prompt_token_ids=list(prepared.prompt_token_ids),
+                sampling_params=_POOLING_SAMPLING,
+                arrival_time=prepared.arrival_time,
+                priority=prepared.priority,
+                user=prepared.user,
+                prompt=prepared.prompt,
+                pooling_params=params,
+                pools_all_positions=self.pooling.uses_all_positions,
+            )]
         num = params.num_samples
         ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
         arrival = prepared.arrival_time

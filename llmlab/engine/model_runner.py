@@ -86,6 +86,9 @@ class ModelRunner:
     # Set by the builder when speculative decoding is on (llmlab.speculative.Speculator):
     # drafts for entries with a lookahead, verified after the forward pass.
     speculator: Any = attrs.field(init=False, default=None)
+    # Set by the builder for runner="pooling" (llmlab.engine.pooling_rows.PoolingRows):
+    # pooling rows' hidden states across prefill chunks, pooled when a prompt ends.
+    pooling: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -132,6 +135,8 @@ class ModelRunner:
             reset()
         if self.speculator is not None:
             self.speculator.reset()
+        if self.pooling is not None:
+            self.pooling.reset()
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
@@ -144,6 +149,8 @@ class ModelRunner:
                 self.rows[row] = None
             if self.speculator is not None:
                 self.speculator.release(batch.freed_rows)
+            if self.pooling is not None:
+                self.pooling.release(batch.freed_rows)
         if batch.block_copies:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
@@ -161,12 +168,31 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch, self.block_tables)
         if hidden is None:
             hidden = self.run_model(batch, self.kv_caches, self.attention_state)
-        return self._sample(batch, hidden)
+        output = self._sample(batch, hidden)
+        if self.pooling is not None:
+            pooled = self.pooling.collect(batch.entries, hidden)
+            if pooled is not None:
+                output = attrs.evolve(output, pooled=pooled)
+        return output
 
     def _start_rows(self, entries: tuple[ScheduledRequest, ...]) -> None:
         rows = self.rows
         for e in entries:
             setup = e.setup
+            if e.pooling:
+                if self.pooling is None:
+                    raise ValueError(
+                        f"request {e.request_id!r} pools, but this runner was built for "
+                        "generation (runner='generate')"
+                    )
+                if setup is not None:
+                    self.pooling.start(e.row, setup.params)
+                elif not self.pooling.has(e.row):
+                    raise ValueError(
+                        f"row {e.row} (request {e.request_id!r}) has no pooling state: a "
+                        "row's first entry must carry its setup"
+                    )
+                continue
             if setup is not None:
                 params = setup.params
                 grammar = None

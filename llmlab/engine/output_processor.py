@@ -15,7 +15,13 @@ from typing import Any
 import attrs
 
 from llmlab.engine.detokenizer import IncrementalDetokenizer, decode_token
-from llmlab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmlab.engine.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from llmlab.request import Request, RequestStatus
 from llmlab.sampling.params import RequestOutputKind
 
@@ -92,12 +98,15 @@ class OutputProcessor:
                 request.finished_time = now
 
     def outputs(
-        self, progressed: Iterable[tuple[Request, int]], failed: Iterable[Request]
-    ) -> list[RequestOutput]:
+        self, progressed: Iterable[tuple[Request, int]], failed: Iterable[Request],
+        pooled: Iterable[Request] = (),
+    ) -> list[RequestOutput | PoolingRequestOutput]:
         """One output per caller-visible request that progressed (``(request, outputs
-        before the step)``) or failed, in that order; a parallel sample's output covers
-        its whole group."""
+        before the step)``), was pooled (a pooling request that finished) or failed, in
+        that order; a parallel sample's output covers its whole group."""
         touched: dict[str, Request] = {}
+        for request in pooled:
+            touched[request.request_id] = request
         failed = list(failed)
         final_only = RequestOutputKind.FINAL_ONLY
         for request, before in progressed:
@@ -112,9 +121,20 @@ class OutputProcessor:
         built = (self.output(request) for request in touched.values())
         return [out for out in built if out is not None]
 
-    def output(self, request: Request) -> RequestOutput | None:
+    def output(self, request: Request) -> RequestOutput | PoolingRequestOutput | None:
         """The caller's view of ``request`` (all samples of its group), or None when its
         output kind says nothing is due yet."""
+        if request.pooling_params is not None:
+            # Reported once, when it ends; a failed one (no pooled output) has outputs None.
+            return PoolingRequestOutput(
+                request_id=request.request_id,
+                outputs=None if request.pooled is None else PoolingOutput(request.pooled),
+                prompt_token_ids=request.prompt_token_ids,
+                finished=request.is_finished,
+                num_cached_tokens=request.num_cached_tokens,
+                prompt=request.prompt,
+                metrics=_metrics(request, [request], request.is_finished),
+            )
         group = request.group
         members = group.members if group is not None else [request]
         leader = members[0]

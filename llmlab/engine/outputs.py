@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from llmlab.sampling.logprobs import Logprob
@@ -82,3 +84,144 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Fold the request's next output into this one (vLLM's ``RequestOutput.add``).
+
+        ``aggregate``: both are DELTA outputs, so each completion's text, token ids and
+        logprobs are appended; otherwise a completion is replaced by its newer self. The
+        latest finish and stop reasons, cumulative logprob, metrics and ``finished`` win;
+        the prompt's logprobs (sent with a stream's first output) are kept.
+        """
+        self.finished = self.finished or next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.metrics is not None:
+            self.metrics = next_output.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        for new in next_output.outputs:
+            i = by_index.get(new.index)
+            if i is None:
+                self.outputs.append(new)
+                by_index[new.index] = len(self.outputs) - 1
+            elif not aggregate:
+                self.outputs[i] = new
+            else:
+                old = self.outputs[i]
+                logprobs = old.logprobs
+                if new.logprobs is not None:
+                    logprobs = new.logprobs if logprobs is None else logprobs + new.logprobs
+                self.outputs[i] = CompletionOutput(
+                    index=old.index, text=old.text + new.text,
+                    token_ids=old.token_ids + new.token_ids,
+                    cumulative_logprob=new.cumulative_logprob, logprobs=logprobs,
+                    finish_reason=new.finish_reason, stop_reason=new.stop_reason,
+                )
+
+
+# -- pooling outputs (vLLM's shapes) ------------------------------------------------------
+
+
+@attrs.define
+class PoolingOutput:
+    """The output of one pooling request: ``data``, a 1-D float32 tensor (an embedding,
+    class probabilities or a one-element score, as the request's task made it)."""
+
+    data: Any
+
+
+@attrs.define
+class PoolingRequestOutput:
+    """A pooling request's result (vLLM's ``PoolingRequestOutput``): ``outputs`` is a
+    :class:`PoolingOutput` (or, from ``LLM.embed`` / ``classify`` / ``score``, the task's
+    own output type); ``finished`` is True (a pooling request reports once, when done).
+    ``num_cached_tokens``: prompt tokens served from the prefix cache."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+    def _as(self, cls: type, outputs: Any) -> Any:
+        return cls(
+            request_id=self.request_id, outputs=outputs, prompt_token_ids=self.prompt_token_ids,
+            finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+            prompt=self.prompt, metrics=self.metrics,
+        )
+
+
+@attrs.define
+class EmbeddingOutput:
+    """An embedding (vLLM's): ``embedding`` as a list of floats."""
+
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@attrs.define
+class ClassificationOutput:
+    """Class probabilities (vLLM's): ``probs``, one per label (logits when the request
+    set ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ClassificationOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@attrs.define
+class ScoringOutput:
+    """A relevance score (vLLM's): a cross-encoder's sigmoid output, or the cosine
+    similarity of two embeddings."""
+
+    score: float
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ScoringOutput:
+        data = output.data
+        if data.numel() != 1:
+            raise ValueError(f"a score is one number; the pooled output has {data.numel()}")
+        return cls(float(data.reshape(()).item()))
+
+
+@attrs.define
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s result: ``outputs`` is an :class:`EmbeddingOutput`."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return output._as(cls, EmbeddingOutput.from_base(output.outputs))
+
+
+@attrs.define
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``LLM.classify``'s result: ``outputs`` is a :class:`ClassificationOutput`."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return output._as(cls, ClassificationOutput.from_base(output.outputs))
+
+
+@attrs.define
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s result: ``outputs`` is a :class:`ScoringOutput`."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ScoringRequestOutput:
+        return output._as(cls, ScoringOutput.from_base(output.outputs))

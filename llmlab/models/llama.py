@@ -345,3 +345,43 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
         return _base_spec(hf_config, qk_norm=True, layer_windows=_qwen_layer_windows(hf_config))
+
+
+class _ScoreHead:
+    """Hugging Face's ``*ForSequenceClassification`` head on a family member: the decoder,
+    then a bias-free ``score`` linear from the hidden size to ``num_labels``, applied to a
+    pooled hidden state (HF pools the last non-pad token; the engine's ``last`` pooler
+    pools the last prompt token, the same position for an unpadded prompt). There is no LM
+    head: these models run under ``runner="pooling"`` only."""
+
+    pooling_task = "classify"
+
+    def __init__(self, hf_config: object, tp: TensorParallel | None = None) -> None:
+        super().__init__(hf_config, tp)
+        self.lm_head = None
+        self.num_labels = int(config_value(hf_config, "num_labels"))
+        # Replicated on every rank: it reads the full hidden state, after the all-reduce.
+        self.score = nn.Linear(self.spec.hidden_size, self.num_labels, bias=False)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Label logits ``[n, num_labels]`` (float32) of pooled hidden states ``[n, hidden]``."""
+        return self.score(pooled.to(self.norm.weight.dtype)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classify(hidden)
+
+
+class LlamaForSequenceClassification(_ScoreHead, LlamaForCausalLM):
+    """Llama with a sequence-classification (or reward / cross-encoder) head."""
+
+
+class MistralForSequenceClassification(_ScoreHead, MistralForCausalLM):
+    """Mistral with a sequence-classification head."""
+
+
+class Qwen2ForSequenceClassification(_ScoreHead, Qwen2ForCausalLM):
+    """Qwen2 with a sequence-classification head (e.g. Qwen2.5-based rerankers)."""
+
+
+class Qwen3ForSequenceClassification(_ScoreHead, Qwen3ForCausalLM):
+    """Qwen3 with a sequence-classification head (e.g. Qwen3-Reranker converted to one)."""

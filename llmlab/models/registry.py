@@ -10,9 +10,13 @@ from llmlab import registry
 from llmlab.models.gpt2 import GPT2LMHeadModel
 from llmlab.models.llama import (
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     MistralForCausalLM,
+    MistralForSequenceClassification,
     Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
     Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
 )
 from llmlab.models.opt import OPTForCausalLM
 
@@ -25,6 +29,11 @@ MODEL_REGISTRY.update({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
+    # Pooling models (runner="pooling"): a classifier head instead of the LM head.
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": MistralForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 })
 
 

@@ -18,6 +18,12 @@ lifecycle state; the scheduler does that with the returned :class:`BatchOutput`.
 Execution answers with a :class:`BatchOutput`: per entry, a *list* of tokens with their
 log-probabilities (empty for a prefill chunk that scores nothing), so sampling several
 tokens per request (n > 1, beams, accepted speculative drafts) needs no contract change.
+
+A pooling request (``PoolingParams`` in its row's setup) is prefill only: each of its
+entries is marked ``pooling`` and scores nothing; the executor keeps what its pooler needs
+of each chunk's hidden states (per row), and answers the entry whose span reaches the end
+of the prompt with the pooled output (``BatchOutput.pooled``), after which the scheduler
+finishes the request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, NamedTuple
 import attrs
 import numpy as np
 
+from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.params import SamplingParams
 
 
@@ -36,7 +43,8 @@ class RowSetup:
     """What an executor needs to start a row's per-row state (sent once per row).
 
     Attributes:
-        params: the request's sampling parameters, as they were at admission.
+        params: the request's sampling parameters, as they were at admission; for a
+            pooling request its (resolved) pooling parameters.
         prompt_token_ids: its prompt (penalties, prompt logprobs, custom processors).
         output_token_ids: tokens it generated before this row (a request resumed after
             preemption, or re-sent after a failed step); the row's state starts from them
@@ -44,7 +52,7 @@ class RowSetup:
         eos_token_ids: the ids that end it unless ``params.ignore_eos``.
     """
 
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
@@ -91,6 +99,9 @@ class ScheduledRequest(NamedTuple):
             num_lookahead`` tokens and reserved KV blocks for them); the executor returns
             the accepted draft tokens followed by one of the target's own. 0: no
             speculation.
+        pooling: the request pools its prompt instead of sampling (``num_scored`` is 0):
+            the executor keeps what its pooler needs of this span's hidden states, and
+            when the span ends the prompt (:attr:`pools_now`) returns the pooled output.
     """
 
     request_id: str
@@ -105,6 +116,7 @@ class ScheduledRequest(NamedTuple):
     prompt_logprobs_from: int = -1
     num_prompt_tokens: int = 0
     num_lookahead: int = 0
+    pooling: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -118,6 +130,11 @@ class ScheduledRequest(NamedTuple):
     @property
     def samples(self) -> bool:
         return self.num_scored > 0
+
+    @property
+    def pools_now(self) -> bool:
+        """A pooling entry whose span reaches the end of the prompt: its output is due."""
+        return self.pooling and self.start + len(self.token_ids) >= self.num_prompt_tokens
 
     @property
     def new_row(self) -> bool:
@@ -256,6 +273,9 @@ class BatchOutput:
             more, so ``len(token_ids[i]) - 1`` were accepted, and their KV is computed.
             None when nothing was drafted. (An entry that drafted nothing may still return
             several tokens; their KV is computed in later steps.)
+        pooled: per entry, the pooled output (a 1-D float32 CPU tensor: an embedding,
+            class probabilities, a score) of an entry that :attr:`~ScheduledRequest.pools_now`,
+            else None; the whole field is None when no entry pooled.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -266,6 +286,7 @@ class BatchOutput:
     forks: tuple[tuple[tuple[int, float, Any], ...], ...] | None = None
     failed: tuple[str | None, ...] | None = None
     num_drafted: tuple[int, ...] | None = None
+    pooled: tuple[Any, ...] | None = None
 
     @classmethod
     def from_lists(
@@ -278,8 +299,9 @@ class BatchOutput:
         return cls(((),) * num_entries, ((),) * num_entries)
 
     def check(self, batch: ScheduledBatch) -> None:
-        """Raise ``ValueError`` unless this answers ``batch``: one token list per entry, and
-        one sample per fork (checked before anything moves)."""
+        """Raise ``ValueError`` unless this answers ``batch``: one token list per entry, one
+        sample per fork, and a pooled output exactly for the pooling entries that end
+        their prompts, which return no tokens (checked before anything moves)."""
         n = len(batch.entries)
         if len(self.token_ids) != n or len(self.logprobs) != n:
             raise ValueError(
@@ -292,9 +314,14 @@ class BatchOutput:
             raise ValueError(
                 f"executor returned {len(self.num_drafted)} draft counts for {n} entries"
             )
+        if self.pooled is not None and len(self.pooled) != n:
+            raise ValueError(f"executor returned {len(self.pooled)} pooled outputs for {n} entries")
+        all_pooled = self.pooled
         for i, entry in enumerate(batch.entries):
             if self.failed is not None and self.failed[i] is not None:
                 continue  # a failed entry carries no tokens
+            if entry.pooling or all_pooled is not None:
+                self._check_pooling(i, entry)
             drafted = 0 if self.num_drafted is None else self.num_drafted[i]
             if not 0 <= drafted <= entry.num_lookahead or (
                 drafted and len(self.token_ids[i]) > 1 + drafted
@@ -310,3 +337,19 @@ class BatchOutput:
                     f"entry {entry.request_id!r} forks into {len(entry.forks)} parallel "
                     f"samples but the executor returned {got} samples for them"
                 )
+
+    def _check_pooling(self, i: int, entry: ScheduledRequest) -> None:
+        pooled = None if self.pooled is None else self.pooled[i]
+        if entry.pooling and (self.token_ids[i] or (pooled is None) == entry.pools_now):
+            raise ValueError(
+                f"pooling entry {entry.request_id!r} must return no tokens, and a pooled "
+                f"output exactly when its span ends the prompt (it "
+                f"{'does' if entry.pools_now else 'does not'}); the executor returned "
+                f"{len(self.token_ids[i])} tokens and "
+                f"{'no' if pooled is None else 'a'} pooled output"
+            )
+        if pooled is not None and not entry.pooling:
+            raise ValueError(
+                f"entry {entry.request_id!r} samples, but the executor returned a pooled "
+                "output for it"
+            )

@@ -93,6 +93,12 @@ class Lifecycle:
                     self._finish(request, status)
                     finished.append(request)
                     break
+            if entry.pooling and entry.pools_now:
+                # A pooling request is prefill only: its output is the pooled one, and it
+                # ends (blocks freed) as soon as its prompt is computed.
+                request.pooled = output.pooled[i]
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
             if entry.num_lookahead and request.status is running:
                 # Keep the blocks of the tokens known now (the last one is written next
                 # step); blocks reserved for rejected or unproposed drafts go back.

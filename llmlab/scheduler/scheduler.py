@@ -371,8 +371,9 @@ class Scheduler(Lifecycle):
         """
         rows_needed = 1 + len(request.forks)
         while True:
-            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            prefix = [] if request.needs_prompt_logprobs else self.kv.lookup_prefix(request)
+            # Prompt logprobs, and poolers that read every position, need every prompt
+            # position computed: no prefix-cache hits.
+            prefix = [] if request.skips_prefix_cache else self.kv.lookup_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             if not self.chunked_prefill and remaining > budget:
@@ -410,7 +411,7 @@ class Scheduler(Lifecycle):
             self._preempt(victim, now)
             preempted.append(victim.request_id)
         request.num_computed_tokens = num_cached
-        queried = 0 if request.needs_prompt_logprobs or not self.kv.enable_prefix_caching else (
+        queried = 0 if request.skips_prefix_cache or not self.kv.enable_prefix_caching else (
             request.num_tokens
         )
         self._admitted.append(
@@ -438,10 +439,11 @@ class Scheduler(Lifecycle):
         end = start + num_new
         scored = end == request.num_tokens
         setup = None
+        pooling = request.pooling_params
         if new_row or (self._resend and rid in self._resend):
             self._resend.discard(rid)
             setup = RowSetup(
-                request.sampling_params,
+                request.sampling_params if pooling is None else pooling,
                 tuple(request.prompt_token_ids),
                 tuple(request.output_token_ids),
                 request.eos_token_ids,
@@ -456,6 +458,14 @@ class Scheduler(Lifecycle):
             )
             for f in request.forks:
                 self._scheduled[f.request_id] = f
+        if pooling is not None:
+            # Prefill only: nothing is sampled; the executor pools the prompt's hidden
+            # states and answers the entry that ends the prompt.
+            return ScheduledRequest(
+                rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
+                blocks, 0, setup, num_prompt_tokens=len(request.prompt_token_ids),
+                pooling=True,
+            )
         return ScheduledRequest(
             rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
             blocks, 1 if scored else 0, setup, forks,

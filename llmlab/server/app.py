@@ -4,7 +4,8 @@
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
 with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (with
 ``enable_tokenizer_info_endpoint``), ``GET /health``, ``GET /version``, ``GET /metrics``
-(Prometheus).
+(Prometheus); for a pooling engine (``--runner pooling``) ``POST /v1/embeddings``,
+``/pooling``, ``/score``, ``/rerank`` (:mod:`llmlab.server.pooling`, its own router).
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
@@ -42,6 +43,9 @@ from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected, bad_request
 from llmlab.server.metrics import DataParallelMetrics, EngineMetrics
+from llmlab.server.pooling import KEYED_PATHS as _POOLING_PATHS
+from llmlab.server.pooling import refuse_generation
+from llmlab.server.pooling import router as pooling_router
 from llmlab.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,8 @@ def build_app(
     enable_tokenizer_info_endpoint: bool = False,
     response_role: str = "assistant",
     root_path: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser=None,
 ):
     """The FastAPI app serving ``engine``.
 
@@ -99,12 +105,24 @@ def build_app(
     and ``/detokenize``). Behind the API key, as ``/tokenize`` is.
     ``response_role``: the role of chat responses' messages (vLLM's ``--response-role``).
     ``root_path``: the path prefix a proxy serves this app under (FastAPI's ``root_path``).
+    ``enable_auto_tool_choice`` and ``tool_call_parser`` (vLLM's flags): ``tool_choice="auto"``
+    (the default with tools), whose calls the parser finds in the model's text; the parser
+    is a registered ``tool_parser`` name (``"hermes"``), a ``"module:Class"`` path or a
+    class, checked here (:mod:`llmlab.server.tool_parsers`). Without them "auto" is a 400.
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_names must be non-empty strings, got {names!r}")
     if not isinstance(response_role, str) or not response_role:
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
+    parser = None
+    if tool_call_parser is not None:
+        from llmlab.server.tool_parsers import parser_factory
+
+        parser = parser_factory(tool_call_parser)
+    if enable_auto_tool_choice and parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser "
+                         "NAME; `llmlab components tool_parser` lists them)")
     root = (root_path or "").rstrip("/")
     if root and not root.startswith("/"):
         raise ValueError(f"root_path must start with '/', got {root_path!r}")
@@ -114,7 +132,8 @@ def build_app(
                             max_sequences_per_request=max_sequences_per_request,
                             max_queued_sequences=max_queued_sequences,
                             return_tokens_as_token_ids=return_tokens_as_token_ids,
-                            response_role=response_role)
+                            response_role=response_role,
+                            tool_parser=parser if enable_auto_tool_choice else None)
     if isinstance(engine.engine, DataParallelEngine):
         # Series per replica (engine="0", ...) and for all of them (engine="all").
         dp = engine.engine
@@ -157,7 +176,7 @@ def build_app(
     # Outermost but the key check: a body too large is refused before it is read.
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
-        protected = set(_KEYED_PATHS)
+        protected = set(_KEYED_PATHS) | set(_POOLING_PATHS)
         if enable_tokenizer_info_endpoint:
             protected.add("/tokenizer_info")
         if not open_metrics:
@@ -173,6 +192,9 @@ def build_app(
     # the body is even read, so a bad key is a 401 whatever the body holds).
     app.include_router(v1, dependencies=[Depends(_bearer)] if api_key else [])
     app.include_router(router)
+    # /v1/embeddings, /pooling, /score, /rerank (llmlab.server.pooling): a 400 on a
+    # generating engine, as vLLM answers.
+    app.include_router(pooling_router)
     if enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"],
                           response_model=p.TokenizerInfoResponse, responses=_PLAIN_ERRORS)
@@ -273,6 +295,7 @@ async def list_models(serving: Serving):
 @v1.post("/completions", response_model=p.CompletionResponse,
          responses={**_ERRORS, **_STREAM_200})
 async def completions(body: p.CompletionRequest, request: Request, serving: Serving):
+    refuse_generation(request)
     try:
         return _respond(await _run(serving.completions(body, _watcher(request))))
     except ClientDisconnected:
@@ -282,6 +305,7 @@ async def completions(body: p.CompletionRequest, request: Request, serving: Serv
 @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
          responses={**_ERRORS, **_STREAM_200})
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, serving: Serving):
+    refuse_generation(request)
     try:
         return _respond(await _run(serving.chat(body, _watcher(request))))
     except ClientDisconnected:

@@ -1,5 +1,9 @@
 """OpenAI's two logprob shapes: the completions API's (``tokens``, ``token_logprobs``,
-``top_logprobs``, ``text_offset``) and chat's (``content`` with each token's alternatives)."""
+``top_logprobs``, ``text_offset``) and chat's (``content`` with each token's alternatives).
+
+Both are built as plain dicts in the JSON shape of their protocol models
+(``CompletionLogProbs``, ``ChatLogProbs``): a streamed chunk is serialized as it is, with no
+model built per chunk; a full response validates them into its model."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ class _LogprobText:
         self.reset()
 
     def reset(self) -> None:
-        self.result = p.CompletionLogProbs()
+        # CompletionLogProbs' fields, in its order
+        self.result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
 
     def _name(self, token_id: int, logprob) -> str:
         if self.as_ids:
@@ -39,24 +44,26 @@ class _LogprobText:
     def add(self, token_ids, positions, k: int) -> None:
         if positions is None:
             return
+        tokens, token_logprobs = self.result["tokens"], self.result["token_logprobs"]
+        top_logprobs, text_offset = self.result["top_logprobs"], self.result["text_offset"]
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:  # the first prompt token has no logprob
                 text = _token_text(self.tokenizer, token_id, None)
-                self.result.tokens.append(self._name(token_id, None))
-                self.result.token_logprobs.append(None)
-                self.result.top_logprobs.append(None)
+                tokens.append(self._name(token_id, None))
+                token_logprobs.append(None)
+                top_logprobs.append(None)
             else:
                 chosen = position.get(token_id)
                 text = _token_text(self.tokenizer, token_id, chosen)
-                self.result.tokens.append(self._name(token_id, chosen))
-                self.result.token_logprobs.append(
+                tokens.append(self._name(token_id, chosen))
+                token_logprobs.append(
                     _finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB)
                 top = {}
                 for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank):
                     if lp.rank <= k or tid == token_id:
                         top.setdefault(self._name(tid, lp), _finite(lp.logprob))
-                self.result.top_logprobs.append(top)
-            self.result.text_offset.append(self.offset)
+                top_logprobs.append(top)
+            text_offset.append(self.offset)
             self.offset += len(text)
 
 
@@ -72,10 +79,9 @@ def _token_text(tokenizer, token_id: int, logprob) -> str:
     return tokenizer.decode([token_id])
 
 
-def _chat_logprobs(tokenizer, token_ids, positions, k: int,
-                   as_ids: bool = False) -> p.ChatLogProbs:
-    """Chat's logprobs; ``as_ids`` as in :class:`_LogprobText` (``bytes`` are then those of
-    the ``"token_id:{id}"`` string, as in vLLM)."""
+def _chat_logprobs(tokenizer, token_ids, positions, k: int, as_ids: bool = False) -> dict:
+    """Chat's logprobs (``ChatLogProbs``' JSON shape); ``as_ids`` as in :class:`_LogprobText`
+    (``bytes`` are then those of the ``"token_id:{id}"`` string, as in vLLM)."""
 
     def name(tid, lp) -> str:
         return _as_id(tid) if as_ids else _token_text(tokenizer, tid, lp)
@@ -85,18 +91,18 @@ def _chat_logprobs(tokenizer, token_ids, positions, k: int,
         chosen = position.get(token_id)
         text = name(token_id, chosen)
         top = [
-            p.ChatLogProb(token=(t := name(tid, lp)),
-                          logprob=_finite(lp.logprob), bytes=list(t.encode("utf-8")))
+            {"token": (t := name(tid, lp)), "logprob": _finite(lp.logprob),
+             "bytes": list(t.encode("utf-8"))}
             for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
             if lp.rank <= k
         ][:k]
-        content.append(p.ChatLogProbsContent(
-            token=text,
-            logprob=_finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
-            bytes=list(text.encode("utf-8")),
-            top_logprobs=top,
-        ))
-    return p.ChatLogProbs(content=content)
+        content.append({
+            "token": text,
+            "logprob": _finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": top,
+        })
+    return {"content": content}
 
 
 def _prompt_logprobs(tokenizer, positions) -> list | None:

@@ -1,16 +1,23 @@
 """Engine outputs as OpenAI responses: one run per request (:class:`_CompletionRun`,
 :class:`_ChatRun`) collects its outputs into one response or streams them as server-sent
-events; errors after a stream has started go in-band."""
+events; errors after a stream has started go in-band.
+
+The streamed chunks are the hot path of a busy server (one per request per engine step):
+each is a plain dict in the JSON shape of its protocol model (``CompletionStreamResponse``,
+``ChatCompletionStreamResponse``), serialized by orjson, with no pydantic model built per
+chunk; full responses still go through the models. A run reads its request's stream of
+DELTA outputs, which the engine coalesces while the run has not taken the previous one, so
+a client that reads slower than the engine steps gets fewer, larger chunks."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import orjson
 
 from llmlab.distributed.data_parallel import ReplicaFailedError
 from llmlab.engine.async_engine import EngineDeadError, EngineError, RequestStream
@@ -20,7 +27,7 @@ from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected
 from llmlab.server.logprobs import _chat_logprobs, _LogprobText, _prompt_logprobs
 from llmlab.server.request_params import _default
-from llmlab.server.tools import ToolMode, ToolStreamer, final_calls
+from llmlab.server.tools import ToolMode, ToolStreamer, final_message, finish_reason
 
 if TYPE_CHECKING:
     from llmlab.server.serving import OpenAIServing, _Prompt
@@ -94,8 +101,10 @@ class _CompletionRun:
             usage=_usage(prompt_tokens, completion_tokens),
         )
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[bytes]:
         completion_tokens = 0
+        head = {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model}
         echoed: set[int] = set()
         prompt_sent: set[int] = set()
         continuous = _continuous_usage(self.request)
@@ -134,26 +143,23 @@ class _CompletionRun:
                     so_far[index] = so_far.get(index, 0) + len(token_ids)
                     if not (text or finish_reason or logprobs):
                         continue  # the detokenizer holds back half a character: nothing to say
-                    chunk = p.CompletionStreamResponse(
-                        id=self.id, created=self.created, model=self.model,
-                        choices=[p.CompletionStreamChoice(
-                            index=index, text=text, logprobs=logprobs,
-                            finish_reason=finish_reason, stop_reason=stop_reason)],
-                        usage=_usage(len(out.prompt_token_ids), so_far[index])
+                    yield _sse_json({
+                        **head,
+                        "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                        "usage": _usage_dict(len(out.prompt_token_ids), so_far[index])
                         if continuous else None,
-                    )
-                    yield _sse(chunk)
+                    })
             if _include_usage(self.request):
                 prompt_tokens = sum(len(pr.token_ids) for pr in self.prompts)
-                yield _sse(p.CompletionStreamResponse(
-                    id=self.id, created=self.created, model=self.model, choices=[],
-                    usage=_usage(prompt_tokens, completion_tokens)))
+                yield _sse_json({**head, "choices": [],
+                                 "usage": _usage_dict(prompt_tokens, completion_tokens)})
         except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in-band
             yield _sse_error(err)
         finally:
             for s in self.streams:
                 s.abort()
-        yield "data: [DONE]\n\n"
+        yield _DONE
 
 
 @attrs.define
@@ -165,38 +171,36 @@ class _ChatRun:
     stream_: RequestStream
     echo: str = ""
     role: str = "assistant"
-    tool_mode: ToolMode | None = None  # a named or required tool_choice (tools.py)
+    tool_mode: ToolMode | None = None  # a named, required or auto tool_choice (tools.py)
     id: str = attrs.field(factory=lambda: p.random_id("chatcmpl"))
     created: int = attrs.field(factory=p.now)
 
-    def _logprobs(self, c) -> p.ChatLogProbs | None:
+    def _logprobs(self, c) -> dict | None:
         if not self.request.logprobs:
             return None
         return _chat_logprobs(self.serving.tokenizer, c.token_ids, c.logprobs,
                               self.request.top_logprobs or 0,
                               as_ids=_as_ids(self.serving, self.request))
 
-    def _finish_reason(self, reason: str | None) -> str | None:
-        """vLLM's: "tool_calls" for a required tool_choice that stopped; a named one keeps
-        the engine's reason."""
-        if reason == "stop" and self.tool_mode is not None and self.tool_mode.kind == "required":
-            return "tool_calls"
-        return reason
+    def _finish_reason(self, reason: str | None, called: bool = False) -> str | None:
+        """vLLM's: "tool_calls" when a tool_choice made calls (tools.finish_reason)."""
+        return finish_reason(self.tool_mode, reason, called)
 
     def _message(self, c) -> p.ChatMessage:
-        calls = final_calls(self.tool_mode, c.text) if self.tool_mode is not None else None
+        content, calls = final_message(self.tool_mode, c.text)
         if calls is None:
-            return p.ChatMessage(role=self.role, content=self.echo + c.text)
-        return p.ChatMessage(role=self.role, content=None, tool_calls=calls)
+            return p.ChatMessage(role=self.role, content=self.echo + content)
+        return p.ChatMessage(role=self.role, content=content, tool_calls=calls)
 
     async def collect(self) -> p.ChatCompletionResponse:
         out = await _last(self.stream_)
         choices = [
             p.ChatChoice(
                 index=c.index,
-                message=self._message(c),
+                message=(message := self._message(c)),
                 logprobs=self._logprobs(c),
-                finish_reason=self._finish_reason(c.finish_reason), stop_reason=c.stop_reason,
+                finish_reason=self._finish_reason(c.finish_reason, bool(message.tool_calls)),
+                stop_reason=c.stop_reason,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -210,7 +214,7 @@ class _ChatRun:
             prompt_logprobs=prompt_logprobs,
         )
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[bytes]:
         n = _default(self.request.n, 1)
         completion_tokens = 0
 
@@ -220,45 +224,49 @@ class _ChatRun:
         tool_streams = [ToolStreamer(self.tool_mode) for _ in range(n)] \
             if self.tool_mode is not None else None
 
-        def chunk(choices, usage=None) -> str:
+        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model}
+
+        def chunk(choices, usage=None) -> bytes:
             if usage is None and continuous and choices:
-                usage = _usage(num_prompt, so_far[choices[0].index])
-            return _sse(p.ChatCompletionStreamResponse(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage))
+                usage = _usage_dict(num_prompt, so_far[choices[0]["index"]])
+            return _sse_json({**head, "choices": choices, "usage": usage})
 
         try:
             # OpenAI opens each choice with the assistant's role and no content yet.
             for index in range(n):
-                yield chunk([p.ChatStreamChoice(
-                    index=index, delta=p.DeltaMessage(role=self.role, content=""))])
+                yield chunk([_chat_choice(index, _delta(role=self.role, content=""))])
             if self.echo:
                 for index in range(n):
-                    yield chunk([p.ChatStreamChoice(
-                        index=index, delta=p.DeltaMessage(content=self.echo))])
+                    yield chunk([_chat_choice(index, _delta(content=self.echo))])
             async for out in self.stream_:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     so_far[c.index] += len(c.token_ids)
                     if tool_streams is not None:
-                        calls = tool_streams[c.index].feed(c.text)
-                        delta = p.DeltaMessage(tool_calls=calls or None)
-                        if not (calls or c.finish_reason or self.request.logprobs):
+                        content, calls = tool_streams[c.index].feed(
+                            c.text, final=c.finish_reason is not None)
+                        delta = p.DeltaMessage(content=content or None, tool_calls=calls) \
+                            if calls else _delta(content=content or None)
+                        if not (content or calls or c.finish_reason or self.request.logprobs):
                             continue
                     else:
-                        delta = p.DeltaMessage(content=c.text)
+                        delta = _delta(content=c.text)
                         if not (c.text or c.finish_reason or self.request.logprobs):
                             continue  # the detokenizer holds back half a character
-                    yield chunk([p.ChatStreamChoice(
+                    yield chunk([_chat_choice(
                         index=c.index, delta=delta, logprobs=self._logprobs(c),
-                        finish_reason=self._finish_reason(c.finish_reason),
+                        finish_reason=self._finish_reason(
+                            c.finish_reason,
+                            tool_streams is not None and tool_streams[c.index].called),
                         stop_reason=c.stop_reason)])
             if _include_usage(self.request):
-                yield chunk([], _usage(len(self.prompt.token_ids), completion_tokens))
+                yield chunk([], _usage_dict(len(self.prompt.token_ids), completion_tokens))
         except Exception as err:  # noqa: BLE001 - sent in-band, as above
             yield _sse_error(err)
         finally:
             self.stream_.abort()
-        yield "data: [DONE]\n\n"
+        yield _DONE
 
 
 def _as_ids(serving: OpenAIServing, request) -> bool:
@@ -269,6 +277,26 @@ def _as_ids(serving: OpenAIServing, request) -> bool:
 def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
     return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                        total_tokens=prompt_tokens + completion_tokens)
+
+
+def _usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    """:func:`_usage` as the plain dict a streamed chunk carries."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _delta(role: str | None = None, content: str | None = None) -> dict:
+    """A chat chunk's ``delta`` (``DeltaMessage``'s JSON shape)."""
+    return {"role": role, "content": content, "tool_calls": None}
+
+
+def _chat_choice(index: int, delta, logprobs: dict | None = None,
+                 finish_reason: str | None = None, stop_reason=None) -> dict:
+    """One choice of a chat chunk: ``ChatStreamChoice``'s arguments and JSON shape;
+    ``delta`` a dict from :func:`_delta` or a ``DeltaMessage`` (tool calls; serialized by
+    :func:`_json_default`)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def _include_usage(request) -> bool:
@@ -288,11 +316,25 @@ def _continuous_usage(request) -> bool:
     return bool(options.include_usage) or "include_usage" not in options.model_fields_set
 
 
-def _sse(model) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+_DONE = b"data: [DONE]\n\n"
 
 
-def _sse_error(err: Exception) -> str:
+def _json_default(value):
+    """What orjson cannot serialize itself: a protocol model (the tool-call deltas) as its
+    JSON-mode dump, an array or numpy scalar as its list or number."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"cannot serialize {type(value).__name__} as JSON")
+
+
+def _sse_json(chunk: dict) -> bytes:
+    """One server-sent event holding ``chunk`` as JSON."""
+    return b"data: " + orjson.dumps(chunk, default=_json_default) + b"\n\n"
+
+
+def _sse_error(err: Exception) -> bytes:
     if isinstance(err, APIError):
         api = err
     elif isinstance(err, ReplicaFailedError):  # its replica died: the server's fault
@@ -304,7 +346,7 @@ def _sse_error(err: Exception) -> str:
     else:
         logger.exception("a streamed response failed")
         api = APIError(f"internal error: {type(err).__name__}", status=500, type="server_error")
-    return f"data: {json.dumps(api.body())}\n\n"
+    return _sse_json(api.body())
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
@@ -322,7 +364,9 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded, so a pump waits for the reader instead of draining its stream: outputs then
+    # stay in the stream, which coalesces them (RequestStream), rather than queueing here.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i: int, stream: RequestStream) -> None:

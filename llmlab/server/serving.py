@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -74,6 +76,8 @@ class OpenAIServing:
             ``"token_id:{id}"`` (vLLM's format).
         response_role: the role of chat responses (with ``add_generation_prompt=false``,
             the last message's role, as in vLLM).
+        tool_parser: makes a tool-call parser per choice for ``tool_choice="auto"`` (None:
+            auto is a 400; see :mod:`llmlab.server.tool_parsers`).
     """
 
     engine: AsyncEngine
@@ -88,6 +92,7 @@ class OpenAIServing:
     max_queued_sequences: int = 4096
     return_tokens_as_token_ids: bool = False
     response_role: str = "assistant"
+    tool_parser: Callable[[], Any] | None = None
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _processes: TemplateProcesses | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -236,16 +241,16 @@ class OpenAIServing:
     async def chat(self, request: p.ChatCompletionRequest, disconnected=None):
         model = self.check_model(request.model)
         _unsupported(request)
-        tools, tool_mode = check_tools(request)
+        tools, tool_mode = check_tools(request, self.tool_parser)
         structured = _structured(request)
-        if tool_mode is not None:
+        if tool_mode is not None and request.echo:
+            raise APIError("echo is not supported with a tool_choice that calls a tool",
+                           param="echo")
+        if tool_mode is not None and tool_mode.kind != "auto":  # auto: the parser reads text
             if structured is not None:
                 raise APIError(f"tool_choice {tool_mode.kind} constrains the output: it "
                                "excludes other structured-output constraints",
                                param="tool_choice")
-            if request.echo:
-                raise APIError("echo is not supported with a tool_choice that calls a tool",
-                               param="echo")
             structured = tool_constraint(tools, tool_mode)
         if request.top_logprobs is not None:
             if not request.logprobs:

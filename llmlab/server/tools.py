@@ -1,10 +1,16 @@
-"""Tool (function) calling on ``/v1/chat/completions``, as vLLM does it without a parser.
+"""Tool (function) calling on ``/v1/chat/completions``, as vLLM does it (docs/tool_calling.md).
 
-``tools`` are checked and handed to the chat template (``apply_chat_template(tools=...)``).
-``tool_choice`` decides what the model may write:
+``tools`` are checked (a 400 names the malformed field) and handed to the chat template
+(``apply_chat_template(tools=...)``). ``tool_choice`` decides what the model may write:
 
 * ``"none"``: nothing changes (the tools are still shown to the template, as vLLM does by
   default); the answer is plain content.
+* ``"auto"`` (the default with tools, as in vLLM): the model writes freely and the server's
+  tool-call parser (a ``tool_parser`` component, :mod:`llmlab.server.tool_parsers`) finds
+  the calls in its text; the rest is content. Only with ``--enable-auto-tool-choice
+  --tool-call-parser NAME`` (``build_app(enable_auto_tool_choice=True,
+  tool_call_parser=...)``); without them a 400 naming the flags. ``finish_reason`` is
+  ``"tool_calls"`` when the output made calls (as in vLLM).
 * a named function (``{"type": "function", "function": {"name": ...}}``): the output is
   constrained to the function's ``parameters`` schema and returned as one tool call whose
   ``arguments`` is exactly the generated text. As in vLLM, ``finish_reason`` stays the
@@ -13,16 +19,18 @@
   ...}`` objects (vLLM's ``anyOf`` schema), one tool call per element; its ``arguments``
   are the element's ``parameters`` text as generated. ``finish_reason`` is ``"tool_calls"``
   when generation stopped (as in vLLM).
-* ``"auto"`` needs a tool-call parser to find calls in free text: not built yet, a 400.
 
-Streamed, a call opens with a delta holding its id, type, name and empty arguments; the
-argument text follows in fragments, which join into the non-streamed ``arguments``.
+Streamed (:class:`ToolStreamer`, one per choice), a call opens with a delta holding its id,
+type, name and empty arguments; the argument text follows in fragments, which join into the
+non-streamed ``arguments``. With ``"auto"`` the content streams as content until a call
+starts (the parser holds back what may be the start of one, such as half a tag).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -30,6 +38,7 @@ import attrs
 from llmlab.sampling.params import StructuredOutputsParams
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError
+from llmlab.server.tool_parsers import CallDelta, ParsedCall, ToolParser
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -40,16 +49,21 @@ def tool_call_id() -> str:
 
 @attrs.define
 class ToolMode:
-    """What a chat request's tools ask of the run: ``kind`` is ``"named"`` or
-    ``"required"``; ``name`` the named function."""
+    """What a chat request's tools ask of the run: ``kind`` is ``"named"``, ``"required"``
+    or ``"auto"``; ``name`` the named function; for ``"auto"``, ``tools`` (as the template
+    got them) and ``parser``, which makes a fresh tool-call parser per choice."""
 
     kind: str
     name: str | None = None
+    tools: list[dict] = attrs.field(factory=list)
+    parser: Callable[[], ToolParser] | None = None
 
 
-def check_tools(request: p.ChatCompletionRequest) -> tuple[list[dict] | None, ToolMode | None]:
-    """The request's tools in OpenAI's shape (for the template), and the constrained mode
-    (None: plain content). Every malformed piece is a 400 naming its field."""
+def check_tools(request: p.ChatCompletionRequest, parser: Callable[[], ToolParser] | None = None,
+                ) -> tuple[list[dict] | None, ToolMode | None]:
+    """The request's tools in OpenAI's shape (for the template), and the mode (None: plain
+    content). ``parser``: the server's tool-call parser factory (None: ``"auto"`` is not
+    enabled). Every malformed piece is a 400 naming its field."""
     tools = _parse_tools(request.tools)
     choice = request.tool_choice
     if choice is None:
@@ -67,10 +81,12 @@ def check_tools(request: p.ChatCompletionRequest) -> tuple[list[dict] | None, To
                 return None, None
             raise APIError('tool_choice "required" needs tools', param="tool_choice")
         if choice == "auto":
-            raise APIError(
-                'tool_choice "auto" (the default with tools) needs a tool-call parser, which '
-                'this server does not have yet; use "none", "required" or a named function',
-                param="tool_choice")
+            if parser is None:
+                raise APIError(
+                    'tool_choice "auto" (the default with tools) needs a tool-call parser: '
+                    "start the server with --enable-auto-tool-choice and --tool-call-parser "
+                    'NAME; or use "none", "required" or a named function', param="tool_choice")
+            return tools, ToolMode("auto", tools=tools, parser=parser)
         return tools, ToolMode("required")
     name = _named_choice(choice)
     if not tools:
@@ -195,8 +211,8 @@ def scan_calls(text: str) -> list[dict]:
 
 
 def final_calls(mode: ToolMode, text: str) -> list[p.ToolCall] | None:
-    """The tool calls of a finished output (None: the text is not a complete call, as when
-    generation ran out of tokens; it is then returned as content)."""
+    """The tool calls of a finished named or required output (None: the text is not a
+    complete call, as when generation ran out of tokens; it is then returned as content)."""
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError:
@@ -213,16 +229,64 @@ def final_calls(mode: ToolMode, text: str) -> list[p.ToolCall] | None:
         name=c["name"], arguments=text[c["start"]:c["end"]])) for c in calls]
 
 
+def final_message(mode: ToolMode | None, text: str) -> tuple[str | None, list[p.ToolCall] | None]:
+    """A finished output's ``content`` and ``tool_calls`` (None: no calls)."""
+    if mode is None:
+        return text, None
+    if mode.kind != "auto":
+        calls = final_calls(mode, text)
+        return (text, None) if calls is None else (None, calls)
+    parser = mode.parser()
+    content, parsed = _checked_extract(parser, parser.extract(text, mode.tools))
+    if not parsed:
+        return content or "", None
+    return content, [p.ToolCall(id=tool_call_id(), function=p.FunctionCall(
+        name=c.name, arguments=c.arguments)) for c in parsed]
+
+
+def finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> str | None:
+    """vLLM's: ``"tool_calls"`` when an auto choice made calls (whatever stopped it) or a
+    required one stopped; a named one keeps the engine's reason."""
+    if mode is None or reason is None:
+        return reason
+    if (mode.kind == "auto" and called) or (mode.kind == "required" and reason == "stop"):
+        return "tool_calls"
+    return reason
+
+
+def _checked_extract(parser, result) -> tuple[str | None, list[ParsedCall]]:
+    """A parser's ``extract`` answer, held to its contract (a broken user parser is named)."""
+    try:
+        content, calls = result
+        calls = [ParsedCall(*c) for c in calls]
+    except (TypeError, ValueError):
+        calls = None
+    if calls is None or not (content is None or isinstance(content, str)) or not all(
+            isinstance(c.name, str) and c.name and isinstance(c.arguments, str)
+            for c in calls):
+        raise TypeError(f"tool parser {type(parser).__name__}.extract must return (content: "
+                        f"str | None, [(name, arguments JSON text), ...]), got {result!r:.200}")
+    return content, calls
+
+
 @attrs.define
 class ToolStreamer:
-    """One choice's streamed tool calls: :meth:`feed` takes each text delta and returns
-    the ``delta.tool_calls`` it makes (possibly none)."""
+    """One choice's streamed tool calls: :meth:`feed` takes each text delta (``final``: the
+    last) and returns the content and the ``delta.tool_calls`` it makes (either may be
+    empty). ``called``: whether a call was opened."""
 
     mode: ToolMode
     text: str = ""
     sent: list[list] = attrs.field(factory=list)  # per call: [id, chars of arguments sent]
+    parser: Any = None  # auto: this choice's parser
 
-    def feed(self, delta: str) -> list[p.DeltaToolCall]:
+    @property
+    def called(self) -> bool:
+        return bool(self.sent)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[p.DeltaToolCall]]:
+        if self.mode.kind == "auto":
+            return self._feed_auto(delta, final)
         self.text += delta
         out: list[p.DeltaToolCall] = []
         if self.mode.kind == "named":
@@ -232,7 +296,7 @@ class ToolStreamer:
             if delta:
                 out.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(
                     arguments=delta)))
-            return out
+            return "", out
         for index, call in enumerate(scan_calls(self.text)):
             if call["name"] is None or call["start"] is None:
                 break
@@ -245,6 +309,45 @@ class ToolStreamer:
                 self.sent[index][1] += len(fragment)
                 out.append(p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(
                     arguments=fragment)))
+        return "", out
+
+    def _feed_auto(self, delta: str, final: bool) -> tuple[str, list[p.DeltaToolCall]]:
+        if self.parser is None:
+            self.parser = self.mode.parser()
+        if hasattr(self.parser, "feed"):
+            content, pieces = self.parser.feed(delta, self.mode.tools, final=final)
+            if not isinstance(content, str):
+                raise TypeError(f"tool parser {type(self.parser).__name__}.feed must return "
+                                f"(content: str, [CallDelta, ...]), got content {content!r:.200}")
+            return content, [d for piece in pieces for d in self._piece(CallDelta(*piece))]
+        # a parser that cannot stream: everything comes with the last delta
+        self.text += delta
+        if not final:
+            return "", []
+        content, calls = _checked_extract(self.parser,
+                                          self.parser.extract(self.text, self.mode.tools))
+        out = []
+        for index, call in enumerate(calls):
+            out += self._piece(CallDelta(index, call.name, call.arguments))
+        return content or "", out
+
+    def _piece(self, piece: CallDelta) -> list[p.DeltaToolCall]:
+        """A parser's call piece as ``delta.tool_calls`` entries (the opening one with the
+        call's id, type and name and empty arguments, then the arguments)."""
+        out = []
+        if piece.name is not None:
+            if piece.index != len(self.sent):
+                raise TypeError(f"tool parser {type(self.parser).__name__} opened call "
+                                f"{piece.index} after {len(self.sent)} calls")
+            self.sent.append([tool_call_id(), 0])
+            out.append(self._open(piece.index, piece.name))
+        elif not 0 <= piece.index < len(self.sent):
+            raise TypeError(f"tool parser {type(self.parser).__name__} sent arguments for "
+                            f"call {piece.index}, which it never opened with a name")
+        if piece.arguments:
+            self.sent[piece.index][1] += len(piece.arguments)
+            out.append(p.DeltaToolCall(index=piece.index, function=p.DeltaFunctionCall(
+                arguments=piece.arguments)))
         return out
 
     def _open(self, index: int, name: str) -> p.DeltaToolCall:

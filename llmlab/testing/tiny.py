@@ -91,6 +91,16 @@ _TINY_DEFAULTS: dict[str, dict] = {
 
 TINY_ARCHITECTURES = tuple(_TINY_DEFAULTS)
 
+# Sequence classifiers (pooling models, runner="pooling"): the causal LM's recipe with a
+# score head of ``num_labels`` (3 unless overridden; 1 makes a cross-encoder).
+TINY_CLASSIFIER_ARCHITECTURES = tuple(
+    f"{family}ForSequenceClassification" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+)
+for _name in TINY_CLASSIFIER_ARCHITECTURES:
+    _TINY_DEFAULTS[_name] = dict(
+        _TINY_DEFAULTS[_name.replace("ForSequenceClassification", "ForCausalLM")], num_labels=3
+    )
+
 _CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
@@ -98,6 +108,10 @@ _CONFIG_CLASSES = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "GPT2LMHeadModel": "GPT2Config",
     "OPTForCausalLM": "OPTConfig",
+    "LlamaForSequenceClassification": "LlamaConfig",
+    "MistralForSequenceClassification": "MistralConfig",
+    "Qwen2ForSequenceClassification": "Qwen2Config",
+    "Qwen3ForSequenceClassification": "Qwen3Config",
 }
 
 
@@ -225,7 +239,7 @@ def build_tiny_model(
     """
     if architecture not in _TINY_DEFAULTS:
         raise ValueError(
-            f"no tiny recipe for {architecture!r}; available: {', '.join(TINY_ARCHITECTURES)}"
+            f"no tiny recipe for {architecture!r}; available: {', '.join(_TINY_DEFAULTS)}"
         )
     import transformers
 

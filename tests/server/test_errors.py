@@ -60,7 +60,7 @@ BAD = [
      "guided_choice"),
     (COMP, {"prompt": "x", "suffix": "end"}, 400, "suffix", "suffix"),
     (COMP, {"prompt": "x", "use_beam_search": True}, 400, "beam", "use_beam_search"),
-    # tools default to tool_choice "auto", which needs a tool-call parser (none yet)
+    # tools default to tool_choice "auto", which needs a tool-call parser (not enabled here)
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tool-call parser", "tool_choice"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400,
