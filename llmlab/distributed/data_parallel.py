@@ -190,6 +190,28 @@ def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None
     return builder.build()
 
 
+def _refuse_pooling(cfg: Any) -> None:
+    """A pooling engine (``runner="pooling"``, vLLM's ``task=``, or ``"auto"`` on a
+    classifier checkpoint) behind data parallelism: refused before any replica starts.
+    The front end routes and reports generation only (its outputs, its replica views)."""
+    runner = cfg.runner_type
+    if runner == "auto":
+        from transformers import AutoConfig
+
+        from llmlab.engine.pooling_setup import pooling_spec
+        from llmlab.models.loader import resolve_model_path
+
+        path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
+        if pooling_spec(cfg, AutoConfig.from_pretrained(path), str(path)) is not None:
+            runner = "pooling"
+    if runner == "pooling":
+        raise ValueError(
+            f"runner='pooling' (a pooling model) is not supported with data_parallel_size="
+            f"{cfg.data_parallel_size}: serve it with data_parallel_size=1, or run one "
+            "pooling server per device behind your own load balancer"
+        )
+
+
 # Engines whose replicas still run, stopped at interpreter exit (before multiprocessing's
 # own exit handler, registered earlier, would wait for the non-daemonic replicas forever).
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
@@ -298,6 +320,7 @@ class DataParallelEngine:
         is seeded with ``seed + i``, so replicas do not draw the same random numbers.
         """
         cfg = EngineBuilder.from_settings(model, tokenizer, **settings).config
+        _refuse_pooling(cfg)
         n = cfg.data_parallel_size
         router = resolve_router(router)
         resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process

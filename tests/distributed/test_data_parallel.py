@@ -347,3 +347,20 @@ def test_replicas_exit_when_the_front_end_process_is_killed(tiny_llama, tmp_path
     finally:
         if front.poll() is None:
             front.kill()
+
+
+def test_pooling_models_are_refused_before_any_replica_starts(tiny_llama, tmp_path):
+    """The front end routes and reports generation only: a pooling engine behind it (asked
+    for, or "auto" on a classifier checkpoint) is a clear error, and nothing is spawned."""
+    from llmlab.testing.tiny import build_tiny_model
+
+    classifier = str(build_tiny_model(tmp_path, "Qwen3ForSequenceClassification", seed=1,
+                                      num_labels=2))
+    before = {c.pid for c in replica_children()}
+    for model, extra in ((tiny_llama, {"runner": "pooling"}), (tiny_llama, {"task": "embed"}),
+                         (classifier, {"runner": "auto"})):
+        with pytest.raises(ValueError, match="not supported with data_parallel_size=2"):
+            LLM(model, data_parallel_size=2, **extra, **SETTINGS)
+    assert {c.pid for c in replica_children()} <= before
+    # "auto" on a generating checkpoint still starts replicas as before
+    LLM(tiny_llama, data_parallel_size=2, runner="auto", **SETTINGS).llm_engine.shutdown()
