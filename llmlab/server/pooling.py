@@ -225,14 +225,7 @@ def _check_capacity(serving: Any, num: int, field: str) -> None:
             f"{field} has {num} inputs, more than the {serving.max_prompts_per_request} "
             "allowed per request", param=field,
         )
-    in_flight = serving.engine.num_open_requests
-    if in_flight + num > serving.max_queued_sequences:
-        raise APIError(
-            f"the server is at capacity ({in_flight} requests in flight, at most "
-            f"{serving.max_queued_sequences}); retry shortly",
-            status=429, type="rate_limit_exceeded", code="server_busy",
-            headers={"Retry-After": "1"},
-        )
+    serving.check_room(num)
 
 
 async def _pool(serving: Any, prompts: list[Any], params: PoolingParams, request: Any,

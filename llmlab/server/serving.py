@@ -141,6 +141,11 @@ class OpenAIServing:
                 f"more than the {self.max_sequences_per_request} allowed per request",
                 param="n",
             )
+        self.check_room(sequences)
+
+    def check_room(self, sequences: int) -> None:
+        """A 429 (with ``Retry-After``) when ``sequences`` more would put the server over
+        ``max_queued_sequences`` requests in flight; generation and pooling alike."""
         in_flight = self.engine.num_open_requests
         if in_flight + sequences > self.max_queued_sequences:
             raise APIError(
