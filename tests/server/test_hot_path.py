@@ -57,6 +57,22 @@ def _reassembled_completion(chunks) -> dict:
     return out
 
 
+def _assert_same_logprobs(streamed: list[dict], full: list[dict]) -> None:
+    """Same tokens (and top-k tokens) in the same order; values equal up to float noise. The
+    second run of a prompt reads its prefix from the cache, which on CUDA is a different kernel
+    call than the first run's full prefill (the H200 run of 2026-11-26 differed in the 7th
+    digit); on CPU they are bitwise equal."""
+    def tokens(entries):
+        return [(e["token"], e["bytes"], [t["token"] for t in e["top_logprobs"]]) for e in entries]
+
+    def values(entries):
+        return [[e["logprob"], *(t["logprob"] for t in e["top_logprobs"])] for e in entries]
+
+    assert tokens(streamed) == tokens(full)
+    for got, want in zip(values(streamed), values(full), strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_coalesced_completion_chunks_reassemble_to_the_full_response(served):
     _, app = served
     serving = app.state.serving
@@ -114,7 +130,7 @@ def test_coalesced_chat_chunks_reassemble_to_the_full_response(served):
     for choice in full["choices"]:
         i = choice["index"]
         assert content[i] == choice["message"]["content"]
-        assert logprobs[i] == choice["logprobs"]["content"]
+        _assert_same_logprobs(logprobs[i], choice["logprobs"]["content"])
         assert len(logprobs[i]) == 20
         assert finish[i] == choice["finish_reason"] == "length"
     assert num_token_chunks < 2 * 20  # one per choice per token without coalescing
