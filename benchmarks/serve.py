@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -110,7 +111,12 @@ def _bench_in_child(config, requests) -> dict:
             "--seed", str(config.seed), "--temperature", str(config.temperature),
             "--ignore-eos", "--disable-tqdm", "--result-file", result_file,
         ]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(command, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        # Includes the child's start-up (imports) and its /tokenize-free dataset read.
+        print(f"client process CPU: {cpu_s:.2f} s")
         with open(result_file, encoding="utf-8") as f:
             return json.load(f)
 

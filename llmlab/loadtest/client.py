@@ -13,12 +13,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import orjson
 
 from llmlab.loadtest.config import BenchConfig
 from llmlab.loadtest.datasets import BenchRequest, arrival_offsets_s, sample_requests
 from llmlab.loadtest.report import summarize
 
-if TYPE_CHECKING:  # imported where used, so `llmlab` starts without the HTTP client
+if TYPE_CHECKING:  # imported where used, so `llmlab` starts without the HTTP clients
+    import aiohttp
     import httpx
 
 
@@ -83,24 +85,28 @@ def _error_body(body: bytes) -> str:
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, payload: dict, headers: dict, chat: bool,
+    session: aiohttp.ClientSession, url: str, payload: dict, headers: dict, chat: bool,
     result: RequestResult,
 ) -> None:
-    """Send one request and record its timings in ``result`` as its chunks arrive."""
+    """Send one request and record its timings in ``result`` as its chunks arrive.
+
+    aiohttp (as vLLM's ``bench serve`` uses) and orjson: on a small machine the load
+    generator shares the cores with the server it measures, so its CPU per chunk counts
+    (BENCHMARKS.md, "the server hot path")."""
     sent = last = time.perf_counter()
     num_text_chunks, usage_tokens, texts = 0, None, []
-    async with client.stream("POST", url, json=payload, headers=headers) as response:
-        if response.status_code >= 400:
-            result.error = f"HTTP {response.status_code}: {_error_body(await response.aread())}"
+    async with session.post(url, json=payload, headers=headers) as response:
+        if response.status >= 400:
+            result.error = f"HTTP {response.status}: {_error_body(await response.read())}"
             return
-        async for line in response.aiter_lines():
-            data = _sse_data(line)
+        async for line in response.content:  # one SSE line at a time
+            data = _sse_data(line.decode("utf-8"))
             if not data:
                 continue
             if data == "[DONE]":
                 result.success = True
                 break
-            chunk = json.loads(data)
+            chunk = orjson.loads(data)
             if chunk.get("error"):
                 result.error = _error_text(chunk["error"])
                 return
@@ -125,11 +131,11 @@ async def _stream(
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, payload: dict, headers: dict, chat: bool,
+    session: aiohttp.ClientSession, url: str, payload: dict, headers: dict, chat: bool,
     result: RequestResult, timeout_s: float,
 ) -> None:
     try:
-        await asyncio.wait_for(_stream(client, url, payload, headers, chat, result), timeout_s)
+        await asyncio.wait_for(_stream(session, url, payload, headers, chat, result), timeout_s)
     except asyncio.TimeoutError:
         result.success, result.error = False, f"timed out after {timeout_s:g} s"
     except Exception as err:  # noqa: BLE001 - one bad response must not end a long run
@@ -154,30 +160,32 @@ def _payload(config: BenchConfig, model: str, request: BenchRequest) -> dict[str
     return body
 
 
-async def _resolve_model(client: httpx.AsyncClient, config: BenchConfig, headers: dict) -> str:
+async def _resolve_model(
+    session: aiohttp.ClientSession, config: BenchConfig, headers: dict
+) -> str:
     """``config.model``, else the first model the server lists. Either way the server is
     asked first, so a wrong ``base_url`` is one clear error, not ``num_prompts`` failures."""
-    import httpx
+    import aiohttp
 
     url = f"{config.base_url}/v1/models"
     try:
-        response = await client.get(url, headers=headers)
-    except httpx.TransportError as err:
+        async with session.get(url, headers=headers) as response:
+            status, body = response.status, await response.read()
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
         reason = str(err) or type(err).__name__
         raise ConnectionError(f"cannot reach the server at {config.base_url} ({reason})") from None
     if config.model is not None:
         return config.model
     try:
-        return str(response.json()["data"][0]["id"])
+        return str(json.loads(body)["data"][0]["id"])
     except (ValueError, LookupError, TypeError):
         raise ValueError(
-            f"could not read a model id from GET {url} (HTTP {response.status_code}); "
-            "pass --model"
+            f"could not read a model id from GET {url} (HTTP {status}); pass --model"
         ) from None
 
 
 async def _run_requests(
-    client: httpx.AsyncClient, config: BenchConfig, model: str,
+    session: aiohttp.ClientSession, config: BenchConfig, model: str,
     requests: Sequence[BenchRequest], headers: dict,
 ) -> tuple[list[RequestResult], float]:
     from tqdm.auto import tqdm
@@ -197,7 +205,7 @@ async def _run_requests(
         async with limit or contextlib.nullcontext():
             result.send_s = time.perf_counter() - start
             payload = _payload(config, model, request)
-            await _send(client, url, payload, headers, config.is_chat, result, config.timeout_s)
+            await _send(session, url, payload, headers, config.is_chat, result, config.timeout_s)
         progress.update(1)
         return result
 
@@ -303,17 +311,22 @@ async def benchmark(
     request, in dataset order. Raises ``ConnectionError`` if the server cannot be reached,
     ``ValueError``/``OSError`` for a bad dataset; failed requests are counted, not raised.
     """
-    import httpx
+    import aiohttp
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     unit = "given"
-    # No pool limit: httpx's default of 100 connections would cap concurrency unasked.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
-        model = await _resolve_model(client, config, headers)
+    # limit=0: no pool limit (aiohttp's default of 100 connections would cap concurrency
+    # unasked); no session timeout: each request has its own (``_send``); a read buffer of
+    # 16 MiB, because aiohttp refuses a line over twice its buffer (64 KiB by default) and
+    # one SSE chunk with many logprobs is one long line.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     read_bufsize=16 << 20) as session:
+        model = await _resolve_model(session, config, headers)
         if requests is None:
             requests, unit = await asyncio.to_thread(_sample, config, model, headers)
-        results, duration_s = await _run_requests(client, config, model, requests, headers)
+        results, duration_s = await _run_requests(session, config, model, requests, headers)
     summary = summarize(results, duration_s, config.percentile_metrics, config.metric_percentiles)
     settings = {**_settings(config, model), "prompt_len_unit": unit}
     return {**settings, **summary, "requests": [r.as_dict() for r in results]}

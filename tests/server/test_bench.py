@@ -4,7 +4,7 @@ The fake server streams a few text chunks per request with a small sleep between
 usage chunk and ``data: [DONE]``, and records what it was sent and how many requests were in
 flight at once. Path prefixes pick a behaviour: ``/flaky`` answers every other request with
 HTTP 400, ``/deny`` answers 401, ``/broken`` sends an error payload mid-stream, ``/nousage``
-omits the usage chunk.
+omits the usage chunk, ``/big`` sends one text chunk of 1 MiB.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from llmlab.loadtest import (
 MODEL = "fake-model"
 CHUNK_DELAY_S = 0.02
 MAX_CHUNKS = 4
+BIG_TEXT = "x" * (1 << 20)
 
 
 @attrs.define
@@ -75,7 +76,9 @@ async def _events(state: FakeServer, body: dict, chat: bool, variant: str):
         num_chunks = min(body["max_tokens"], MAX_CHUNKS)
         for i in range(num_chunks):
             await asyncio.sleep(CHUNK_DELAY_S)
-            yield _sse(_chunk(f" tok{i}", chat))
+            # /big: one SSE line far past aiohttp's default line limit (128 KiB), as a chunk
+            # with many logprobs can be.
+            yield _sse(_chunk(BIG_TEXT if variant == "big" and i == 0 else f" tok{i}", chat))
             if variant == "broken":
                 yield _sse({"error": {"message": "engine died", "code": 500}})
                 return
@@ -112,7 +115,7 @@ def _make_app(state: FakeServer) -> FastAPI:
         events = _events(state, body, chat, variant)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    for prefix in ("", "/flaky", "/deny", "/broken", "/nousage"):
+    for prefix in ("", "/flaky", "/deny", "/broken", "/nousage", "/big"):
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
         app.add_api_route(f"{prefix}/v1/completions", generate, methods=["POST"])
         app.add_api_route(f"{prefix}/v1/chat/completions", generate, methods=["POST"])
@@ -390,6 +393,12 @@ def test_output_tokens_fall_back_to_text_chunks_without_usage(server):
     request = result["requests"][0]
     assert request["success"] and request["output_tokens"] == 3
     assert request["prompt_tokens"] == 8  # the prompt's word count
+
+
+def test_a_chunk_of_a_mebibyte_is_read_whole(server):
+    result = _run(base_url=f"{server.base_url}/big", num_prompts=2)
+    assert result["completed"] == 2, [r["error"] for r in result["requests"]]
+    assert result["requests"][0]["generated_text"] == BIG_TEXT + " tok1 tok2"
 
 
 def test_api_key_header_is_sent(server, monkeypatch):
