@@ -34,6 +34,7 @@ from llmlab.engine.outputs import (
 from llmlab.errors import ExecutorDeadError
 from llmlab.inputs import PromptType, TextPrompt, TokensPrompt
 from llmlab.llm import LLM
+from llmlab.lora.request import LoRARequest
 from llmlab.pooling import PoolerConfig
 from llmlab.pooling_params import PoolingParams
 from llmlab.registry import register
@@ -79,6 +80,7 @@ __all__ = [
     "GuidedDecodingParams",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "Policy",
     "PoolerConfig",
     "PoolingOutput",

@@ -172,6 +172,25 @@ def _engine_settings(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def _build_app(build_app, engine, args, names, model, api_key, chat_template, origins,
+               tool_parser):
+    """The server's app from the serve flags."""
+    return build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
+                     chat_template=chat_template, allowed_origins=origins,
+                     trust_request_chat_template=args.trust_request_chat_template,
+                     open_metrics=args.open_metrics, open_docs=args.open_docs,
+                     max_request_body_bytes=args.max_request_body_bytes,
+                     max_prompts_per_request=args.max_prompts_per_request,
+                     max_sequences_per_request=args.max_sequences_per_request,
+                     max_queued_sequences=args.max_queued_sequences,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                     response_role=args.response_role, root_path=args.root_path,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice,
+                     tool_call_parser=tool_parser,
+                     lora_modules=args.lora_modules or ())
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -200,19 +219,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
-    app = build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
-                    chat_template=chat_template, allowed_origins=origins,
-                    trust_request_chat_template=args.trust_request_chat_template,
-                    open_metrics=args.open_metrics, open_docs=args.open_docs,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    max_sequences_per_request=args.max_sequences_per_request,
-                    max_queued_sequences=args.max_queued_sequences,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                    response_role=args.response_role, root_path=args.root_path,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    tool_call_parser=tool_parser)
+    try:
+        app = _build_app(build_app, engine, args, names, model, api_key, chat_template, origins,
+                         tool_parser)
+    except ValueError as err:  # e.g. a --lora-modules adapter that cannot run
+        engine.shutdown()
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 2
     print(f"[llmlab] serving {model} as {', '.join(names)} on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     # SIGINT/SIGTERM: uvicorn stops accepting connections; requests in flight get
@@ -452,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require this key on /v1 routes (default: $LLMLAB_API_KEY)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve by name (needs --enable-lora): name=path "
+                       "or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: MODEL as given)")
     serve.add_argument("--chat-template", default=None,

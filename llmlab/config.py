@@ -57,6 +57,11 @@ def _single_device(field: str, value: object) -> int:
     return size
 
 
+# Weight-only schemes applied at load time (llmlab/quantization/); vLLM's names.
+QUANTIZATION_METHODS = ("int8", "fp8")
+PREEMPTION_MODES = ("recompute", "swap")
+KV_OFFLOADING_BACKENDS = ("cpu", "disk")
+
 RUNNERS = ("generate", "pooling", "auto")
 # vLLM's older ``task`` values; a pooling one selects runner="pooling" (docs/pooling.md).
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward")
@@ -176,16 +181,45 @@ class EngineConfig:
             normalized embeddings. ``override_pooler_config`` is vLLM's older name (both
             may not be set).
 
+        enable_lora: serve LoRA adapters (vLLM's): requests name one with a
+            ``LoRARequest``; requests with different adapters (and none) share a batch.
+        max_loras: most distinct adapters in one step (each holds a slot of stacked A/B
+            weights on the device).
+        max_lora_rank: the largest adapter rank accepted (slots are sized for it).
+        max_cpu_loras: most adapters kept loaded in host memory (least recently used
+            ones are dropped beyond it); ``None``: ``max_loras``. At least ``max_loras``.
+
+        quantization: weight-only quantization applied at load time (vLLM's name):
+            ``None`` (weights run in ``dtype``), ``"int8"`` (per-output-channel symmetric
+            int8 weights, activations in the model dtype; CPU and CUDA) or ``"fp8"``
+            (float8 e4m3 weights with per-channel scales; CUDA only). A checkpoint saved
+            in the same scheme loads as it is. An unsupported device is refused before
+            any weight loads.
+
+        preemption_mode: how a preempted request gives its KV blocks back (vLLM's):
+            ``None`` or ``"recompute"`` (the blocks are freed, the tokens recomputed on
+            resumption), or ``"swap"`` (the blocks are copied to a host pool of
+            ``swap_space`` GiB and back on resumption; recompute is the fallback when
+            that pool is full). A scheduling policy may choose per victim.
+        swap_space: GiB of host memory for swapped-out KV blocks (``preemption_mode=
+            "swap"``); unused otherwise.
+        kv_offloading_size: GiB for a second tier of the prefix cache: blocks evicted from
+            the device pool spill there, and a prefix hit on them loads them back before
+            the request runs. ``None`` or 0: no second tier.
+        kv_offloading_backend: where the second tier lives: ``"cpu"`` (host memory; on a
+            CPU-only machine a second pool in memory) or ``"disk"`` (a file under
+            ``kv_offloading_dir``, else a temporary directory).
+        kv_offloading_dir: directory for ``kv_offloading_backend="disk"``.
+        kv_offloading_eviction_policy: the second tier's eviction policy, by registered
+            name (``"lru"``, ``"arc"``, ``"s3fifo"``, ...); the engine builder also takes
+            an instance.
+
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
             built-in architectures only, whatever this says.
-        swap_space: GiB of CPU memory per GPU for swapped-out KV blocks. Unused: llmlab
-            preempts by recompute (a preempted request's blocks are freed and its tokens
-            recomputed on resumption), so nothing is ever swapped.
 
     vLLM settings with one supported value (any other is a ``ValueError``):
         pipeline_parallel_size: 1; layers are not split across devices.
-        quantization: ``None``; weights run in ``dtype``.
         kv_cache_dtype: ``"auto"``; the KV cache has the model's dtype.
     """
 
@@ -265,8 +299,39 @@ class EngineConfig:
         default=None, converter=SpeculativeConfig.of
     )
     disable_log_stats: bool = attrs.field(default=True, converter=_flag("disable_log_stats"))
+    enable_lora: bool = attrs.field(default=False, converter=_flag("enable_lora"))
+    max_loras: int = attrs.field(default=1, converter=_positive("max_loras"))
+    max_lora_rank: int = attrs.field(default=16, converter=_positive("max_lora_rank"))
+    max_cpu_loras: int | None = attrs.field(
+        default=None, converter=_positive("max_cpu_loras", allow_none=True)
+    )
+    preemption_mode: str | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else as_choice(
+            "preemption_mode", v, PREEMPTION_MODES
+        ),
+    )
     swap_space: float = attrs.field(
         default=4.0, converter=functools.partial(as_real, "swap_space", min=0)
+    )
+    kv_offloading_size: float | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else as_real("kv_offloading_size", v, min=0),
+    )
+    kv_offloading_backend: str = attrs.field(
+        default="cpu",
+        converter=functools.partial(
+            as_choice, "kv_offloading_backend", choices=KV_OFFLOADING_BACKENDS
+        ),
+    )
+    kv_offloading_dir: str | None = attrs.field(
+        default=None, converter=functools.partial(_path, "kv_offloading_dir", allow_none=True)
+    )
+    kv_offloading_eviction_policy: str = attrs.field(
+        default="lru",
+        converter=functools.partial(
+            as_str, "kv_offloading_eviction_policy", allow_empty=False
+        ),
     )
     tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
     data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
@@ -293,7 +358,9 @@ class EngineConfig:
     )
     quantization: str | None = attrs.field(
         default=None,
-        converter=functools.partial(_only, "quantization", None, allow_none=True),
+        converter=lambda v: None if v is None else as_choice(
+            "quantization", v, QUANTIZATION_METHODS
+        ),
     )
     kv_cache_dtype: str = attrs.field(
         default="auto", converter=functools.partial(_only, "kv_cache_dtype", "auto")
@@ -337,6 +404,11 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one process, but "
                 f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or 'ray'"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): every adapter in a step is also kept in host memory"
             )
         budget, max_len = self.max_num_batched_tokens, self.max_model_len
         # The engine checks again once max_model_len is known from the model's config.

@@ -26,6 +26,7 @@ from llmlab.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from llmlab.lora.request import LoRARequest
 from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.beam_search import (
     BeamSearchOutput,
@@ -212,6 +213,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: int | Sequence[int] | None = None,
         user: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in input order.
 
@@ -220,7 +222,9 @@ class LLM:
         for :meth:`get_default_sampling_params`. ``priority``: one int for all prompts or one
         per prompt, lower served first by policies that read it (``"priority"``). ``user``:
         one str for all prompts or one str (or None) per prompt, for per-user policies
-        (``"fair"``).
+        (``"fair"``). ``lora_request``: a :class:`~llmlab.lora.request.LoRARequest` for
+        all prompts, or one (or None: the base model) per prompt; the LLM needs
+        ``enable_lora=True`` (docs/lora.md).
         All prompts are validated before any is queued: on an error nothing runs. After an
         error or Ctrl-C the engine holds none of this call's requests and no blocks for
         them. Calls from several threads run one after another.
@@ -237,15 +241,19 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         priorities = _as_priorities(priority, len(prompt_list))
         users = _as_users(user, len(prompt_list))
+        loras = _as_loras(lora_request, len(prompt_list))
         with self._lock:
             engine = self.llm_engine
             ids = self._new_ids(len(prompt_list))
             try:
-                for request_id, prompt, params, prio, who in zip(
-                    ids, prompt_list, params_list, priorities, users, strict=True
+                for request_id, prompt, params, prio, who, lora in zip(
+                    ids, prompt_list, params_list, priorities, users, loras, strict=True
                 ):
                     final_only = attrs.evolve(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                    engine.add_request(request_id, prompt, final_only, priority=prio, user=who)
+                    engine.add_request(
+                        request_id, prompt, final_only, priority=prio, user=who,
+                        **({"lora_request": lora} if lora is not None else {}),
+                    )
                 return self._run(ids, use_tqdm)
             finally:
                 self._abort_quietly(ids)
@@ -260,6 +268,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template.
 
@@ -270,7 +279,8 @@ class LLM:
         ``chat_template_kwargs`` go to the template. ``tools`` (OpenAI's function
         definitions, as vLLM's ``LLM.chat`` takes them) go to the template as its ``tools``;
         the reply is not parsed for calls (``llmlab serve`` does that). The rendered text is
-        then generated exactly as ``generate`` would generate it.
+        then generated exactly as ``generate`` would generate it (``lora_request`` as
+        there).
         """
         prompts = self.render_chat(
             messages,
@@ -280,7 +290,9 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
 
     def render_chat(
         self,
@@ -314,6 +326,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's ``LLM.beam_search``): the ``beam_width`` best sequences per
         prompt, best first, scored as Hugging Face's ``generate(num_beams=...)`` scores them.
@@ -321,7 +334,13 @@ class LLM:
         Each step asks the engine for the ``2 * beam_width`` most likely next tokens of every
         live beam at once; beams are requests whose prompts share their prefix, so with
         prefix caching (the default) their full KV blocks are shared, not recomputed.
+        ``lora_request``: one adapter for every prompt's beams (or None).
         """
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                "beam_search takes one LoRARequest (or None) for all prompts, got "
+                f"{type(lora_request).__name__}"
+            )
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.llm_engine
@@ -350,7 +369,8 @@ class LLM:
             step = SamplingParams(max_tokens=1, logprobs=k, temperature=0.0, detokenize=False,
                                   ignore_eos=True)
             outs = self.generate(
-                [{"prompt_token_ids": seq} for seq in sequences], step, use_tqdm=False
+                [{"prompt_token_ids": seq} for seq in sequences], step, use_tqdm=False,
+                lora_request=lora_request,
             )
             if bar is not None:
                 bar.update(1)
@@ -616,6 +636,20 @@ def _as_users(user: Any, n: int) -> list[str | None]:
     if isinstance(user, str):
         return [user] * n
     return _per_prompt("user", user, n, lambda u: u is None or isinstance(u, str), "a str or None")
+
+
+def _as_loras(lora_request: Any, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+        raise TypeError(
+            "lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+            f"got {type(lora_request).__name__}"
+        )
+    return _per_prompt(
+        "lora_request", lora_request, n, lambda r: r is None or isinstance(r, LoRARequest),
+        "a LoRARequest or None",
+    )
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -105,6 +105,11 @@ class Request:
     pooling_params: PoolingParams | None = None
     pools_all_positions: bool = False
     pooled: Any = None
+    # The LoRA adapter it runs with (a ``LoRARequest``), or None: the base model. Its
+    # ``hash_salt`` roots the chained block hashes, so the prefix cache never shares KV
+    # across adapters (None: the base model's root).
+    lora_request: Any = None
+    hash_salt: int | None = None
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property

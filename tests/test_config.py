@@ -179,7 +179,7 @@ def test_vllm_keyword_defaults_match_vllm():
             ("distributed_executor_backend='uni' runs one process, but "
              "tensor_parallel_size=2; use 'mp' or 'ray'"),
         ),
-        (dict(quantization="awq"), "quantization='awq' is not supported (only None)"),
+        (dict(quantization="awq"), "quantization must be one of 'int8', 'fp8', got 'awq'"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (only 'auto')"),
         (
             dict(tokenizer_mode="mistral"),

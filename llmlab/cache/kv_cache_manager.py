@@ -20,7 +20,9 @@ import numpy as np
 from llmlab import registry
 from llmlab.cache.block_pool import BlockPool
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
+from llmlab.cache.host_pools import OffloadTier, SwapSpace
 from llmlab.cache.prefix_index import PrefixIndex, extend_block_hashes
+from llmlab.cache.transfers import KVTransfer
 from llmlab.errors import ComponentError
 
 if TYPE_CHECKING:
@@ -51,6 +53,12 @@ class BlockEvents:
     (``()``: the request holds no blocks any more), in the order requests were first
     touched. Applying ``evicted``, then ``cached``, then ``tables`` to the previous
     :meth:`KVCacheManager.snapshot` gives the current one (what replayed views rely on).
+
+    Host tiers (``llmlab.cache.host_pools``): ``spilled`` lists ``(device_block,
+    offload_block)`` copies of dropped prefix blocks into the second tier, ``loaded``
+    ``(offload_block, device_block)`` second-tier hits copied back (those device blocks
+    are in ``cached`` too), ``offload_evicted`` the tier blocks whose content was dropped;
+    ``swapped_out`` / ``swapped_in`` give ``(request_id, num_blocks)`` per swap.
     """
 
     allocated: tuple[int, ...] = ()
@@ -60,6 +68,11 @@ class BlockEvents:
     forked: tuple[int, ...] = ()
     cached: tuple[int, ...] = ()
     tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    spilled: tuple[tuple[int, int], ...] = ()
+    loaded: tuple[tuple[int, int], ...] = ()
+    offload_evicted: tuple[int, ...] = ()
+    swapped_out: tuple[tuple[str, int], ...] = ()
+    swapped_in: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen
@@ -84,6 +97,12 @@ class KVCacheManager:
         eviction: chooses which cached free blocks are reclaimed first (default LRU). It can
             be swapped later (``kv.eviction = FIFOEviction()``); the new one learns every
             current candidate.
+        swap: host blocks for swap preemption (:meth:`swap_out`, :meth:`swap_in`), or None.
+        tier: the prefix cache's second tier (dropped cached blocks spill there, and
+            :meth:`lookup_offloaded` finds them), or None.
+
+    Every KV move between pools is recorded in order (:meth:`take_transfers`), with the
+    copy-on-write copies recorded before it, for the executor to apply before the forward.
     """
 
     num_blocks: int = attrs.field(validator=_at_least_one)
@@ -104,6 +123,13 @@ class KVCacheManager:
     _touched: dict[str, None] = attrs.field(init=False, factory=dict, repr=False)
     # Per request, the lowest table index changed since its last ``table_delta``.
     _changed_from: dict[str, int] = attrs.field(init=False, factory=dict, repr=False)
+    swap: SwapSpace | None = attrs.field(default=None, kw_only=True)
+    tier: OffloadTier | None = attrs.field(default=None, kw_only=True)
+    _transfers: list[KVTransfer] = attrs.field(init=False, factory=list, repr=False)
+    # Failures of the tier's eviction policy, which surface inside the device pool's calls
+    # (reported through take_errors; the pools are consistent).
+    _errors: list[Exception] = attrs.field(init=False, factory=list, repr=False)
+    _spilling: bool = attrs.field(init=False, default=True, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
@@ -114,6 +140,10 @@ class KVCacheManager:
             "evicted": [],
             "forked": [],
             "cached": [],
+            "spilled": [],
+            "loaded": [],
+            "swapped_out": [],
+            "swapped_in": [],
         }
 
     # -- queries -------------------------------------------------------------------------
@@ -169,7 +199,7 @@ class KVCacheManager:
             return []
         tokens = request.all_token_ids
         bs = self.block_size
-        extend_block_hashes(request.block_hashes, tokens, bs)
+        extend_block_hashes(request.block_hashes, tokens, bs, request.hash_salt)
         max_blocks = (len(tokens) - 1) // bs
         hits: list[int] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
@@ -182,12 +212,19 @@ class KVCacheManager:
     # -- allocation ----------------------------------------------------------------------
 
     def allocate(
-        self, request: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix_blocks: Sequence[int] = (),
+        offloaded_blocks: Sequence[int] = (),
     ) -> bool:
         """Reserve blocks so ``num_new_tokens`` more tokens of ``request`` can be stored.
 
         ``prefix_blocks`` (from :meth:`lookup_prefix`, for a request being admitted) are
-        shared, not copied. A shared block the new tokens would write into is replaced by a
+        shared, not copied; ``offloaded_blocks`` (from :meth:`lookup_offloaded`, the hit's
+        continuation in the second tier) get fresh device blocks, and their loads are
+        recorded (:meth:`take_transfers`); those blocks join the prefix index. A shared
+        block the new tokens would write into is replaced by a
         fresh one first (copy-on-write; the copy waits in :meth:`take_block_copies`), and an
         indexed block of its own that they would overwrite leaves the prefix index. All or
         nothing: on ``False`` nothing changed, and on ``ComponentError`` (the eviction policy
@@ -209,35 +246,48 @@ class KVCacheManager:
             ):
                 return True
         prefix = list(prefix_blocks)
-        if prefix and table:
+        loads = list(offloaded_blocks)
+        if (prefix or loads) and table:
             raise ValueError(
                 f"prefix_blocks are for admitting a request, but {rid!r} already holds "
                 f"{len(table)} blocks"
             )
+        num_hit = len(prefix) + len(loads)
         # ``num_computed_tokens`` does not yet include the prefix hit (the scheduler
         # advances it only once the allocation succeeded).
-        write_start = request.num_computed_tokens + len(prefix) * self.block_size
+        write_start = request.num_computed_tokens + num_hit * self.block_size
         write_end = write_start + num_new_tokens
-        num_fresh = max(0, self.blocks_needed(write_end) - len(table) - len(prefix))
+        num_fresh = max(0, self.blocks_needed(write_end) - len(table) - num_hit)
         to_copy, to_uncache = self._blocks_written_in_place(table, write_start, write_end)
         # Hit blocks that are free now would be revived, not taken from the free pool, so
         # they cannot also count as room for the new blocks.
         revived = self.pool.num_idle(prefix)
-        num_wanted = num_fresh + len(to_copy)
+        num_wanted = num_fresh + len(to_copy) + len(loads)
         if num_wanted > self.pool.num_free_blocks - revived:
             return False
-        if prefix:
-            self.pool.touch(prefix)  # the policy's on_hit goes first: it may raise
+        if loads:
+            self.tier.pin(loads)  # a spill caused by this allocation must not take them
         try:
-            new_ids = self.pool.allocate(num_wanted)[0] if num_wanted else []
-        except ComponentError:
             if prefix:
-                self._release_quietly(prefix[::-1])
+                self.pool.touch(prefix)  # the policy's on_hit goes first: it may raise
+            try:
+                new_ids = self.pool.allocate(num_wanted)[0] if num_wanted else []
+            except ComponentError:
+                if prefix:
+                    self._release_quietly(prefix[::-1])
+                raise
+        except ComponentError:
+            if loads:
+                self._unpin_quietly(loads)
             raise
-        if prefix:
+        if prefix or loads:
             table = prefix
             self._log["prefix_hits"].extend(prefix)
-            self._num_indexed[rid] = len(prefix)
+            self._num_indexed[rid] = num_hit
+        if loads:
+            loaded = new_ids[len(to_copy) : len(to_copy) + len(loads)]
+            self._load(request, len(prefix), loads, loaded)
+            table.extend(loaded)
         if to_copy:
             self._copy_on_write(table, to_copy, new_ids[: len(to_copy)], write_start)
         if to_uncache:
@@ -246,8 +296,8 @@ class KVCacheManager:
         if to_copy or to_uncache:
             first = min(to_copy + to_uncache)
             self._num_indexed[rid] = min(self._num_indexed.get(rid, 0), first)
-        self._changed(rid, 0 if prefix else min(to_copy, default=len(table)))
-        table.extend(new_ids[len(to_copy) :])
+        self._changed(rid, 0 if prefix or loads else min(to_copy, default=len(table)))
+        table.extend(new_ids[len(to_copy) + len(loads) :])
         if table:
             self._tables[rid] = table
         if new_ids or prefix:
@@ -270,7 +320,9 @@ class KVCacheManager:
             return
         tokens = request.all_token_ids
         if len(request.block_hashes) < num_full:
-            extend_block_hashes(request.block_hashes, tokens[: num_full * bs], bs)
+            extend_block_hashes(
+                request.block_hashes, tokens[: num_full * bs], bs, request.hash_salt
+            )
         cached = self.pool.cached
         newly_cached = []
         for i in range(start, num_full):
@@ -292,6 +344,11 @@ class KVCacheManager:
         The request's table goes first, so even when the policy fails (``ComponentError``
         after the pool is consistent) the request holds nothing.
         """
+        if self.swap is not None and self.swap.holds(request.request_id):
+            self.swap.give_back(request.request_id)  # aborted while swapped out
+        self._free_device(request)
+
+    def _free_device(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
         self._changed_from.pop(request.request_id, None)
@@ -354,6 +411,79 @@ class KVCacheManager:
             self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
+    # -- host tiers: swap space and the offload tier -------------------------------------
+
+    def is_swapped(self, request: Request) -> bool:
+        """Whether the request's computed KV waits in the swap space (:meth:`swap_in`)."""
+        return self.swap is not None and self.swap.holds(request.request_id)
+
+    def swap_out(self, request: Request) -> bool:
+        """Preempt by swapping: copy the blocks holding the request's computed tokens to the
+        swap space and free its device blocks. False (nothing changed) when there is no
+        swap space, nothing computed, or too few free host blocks: then preempt by
+        recompute (:meth:`free`). The request keeps ``num_computed_tokens``."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        n = self.blocks_needed(request.num_computed_tokens)
+        if self.swap is None or not table or n == 0 or n > len(table):
+            return False
+        host = self.swap.take(rid, n)
+        if host is None:
+            return False
+        self._record("swap_out", tuple(zip(table[:n], host, strict=True)))
+        self._log["swapped_out"].append((rid, n))
+        self._free_device(request)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Resume a swapped-out request: fresh device blocks for its swapped KV and
+        ``num_new_tokens`` more tokens, the copies back recorded, its host blocks freed.
+        All or nothing (False: not enough free device blocks); ``ComponentError`` if the
+        eviction policy fails (nothing taken)."""
+        rid = request.request_id
+        host = self.swap.table(rid) if self.swap is not None else ()
+        if not host:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        if self._tables.get(rid):
+            raise ValueError(f"request {rid!r} is swapped out but holds device blocks")
+        n = max(len(host), self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        if n > self.pool.num_free_blocks:
+            return False
+        new_ids, _ = self.pool.allocate(n)  # evictions (and their spills) come first
+        self._record("swap_in", tuple(zip(host, new_ids[: len(host)], strict=True)))
+        self.swap.give_back(rid)
+        self._tables[rid] = new_ids
+        self._num_indexed[rid] = 0  # its full blocks re-enter the index as usual
+        self._changed(rid, 0)
+        self._touched[rid] = None
+        self._log["allocated"].extend(new_ids)
+        self._log["swapped_in"].append((rid, len(host)))
+        return True
+
+    def lookup_offloaded(self, request: Request, first_block: int) -> list[int]:
+        """Second-tier ids continuing a prefix hit: the request's full blocks from
+        ``first_block`` (the device hit's length, from :meth:`lookup_prefix`, which
+        computed the request's block hashes) found in the offload tier, up to the first
+        miss; never the last token. Read-only: nothing moves until :meth:`allocate`."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        last = min((len(tokens) - 1) // self.block_size, len(request.block_hashes))
+        return self.tier.lookup(request.block_hashes, tokens, self.block_size, first_block, last)
+
+    def take_transfers(self) -> list[KVTransfer]:
+        """KV moves recorded since the last call, in order (copy-on-write copies recorded
+        before a move among them); the executor applies them before
+        :meth:`take_block_copies`' copies and the next forward pass."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    def take_errors(self) -> list[Exception]:
+        """Failures of the offload tier's eviction policy since the last call (each left
+        the tiers consistent; the blocks concerned are simply not in the tier)."""
+        errors, self._errors = self._errors, []
+        return errors
+
     # -- observation ---------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
@@ -365,9 +495,18 @@ class KVCacheManager:
         num_cached = pool.num_cached_free_blocks
         if num_cached:
             # Taking every free block evicts every candidate (on_drop -> _forget); giving
-            # them straight back returns them as empty blocks.
-            taken, _ = pool.allocate(pool.num_empty_blocks + num_cached)
-            pool.release(taken)
+            # them straight back returns them as empty blocks. Nothing spills: the second
+            # tier is emptied too.
+            self._spilling = False
+            try:
+                taken, _ = pool.allocate(pool.num_empty_blocks + num_cached)
+                pool.release(taken)
+            finally:
+                self._spilling = True
+        if self.tier is not None:
+            self.tier.clear()
+            if len(self.tier.index):
+                return False
         return len(self.index) == 0
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -382,6 +521,8 @@ class KVCacheManager:
     def drain_events(self) -> BlockEvents:
         """What happened to blocks and tables since the last drain (then forget it)."""
         log = {k: tuple(v) for k, v in self._log.items()}
+        if self.tier is not None:
+            log["offload_evicted"] = self.tier.drain_evicted()
         cached = self.pool.cached
         # A block indexed and then evicted again within the drain window ends up uncached.
         log["cached"] = tuple(b for b in log["cached"] if cached[b])
@@ -423,6 +564,13 @@ class KVCacheManager:
         for rid, num_indexed in self._num_indexed.items():
             if rid not in self._tables or num_indexed > len(self._tables[rid]):
                 raise AssertionError(f"request {rid!r} counts {num_indexed} indexed blocks")
+        if self.swap is not None:
+            self.swap.check()
+            both = sorted(set(self.swap.tables()) & set(self._tables))
+            if both:
+                raise AssertionError(f"requests {both[:4]} hold device and swap blocks at once")
+        if self.tier is not None:
+            self.tier.check()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -479,12 +627,70 @@ class KVCacheManager:
         except ComponentError:
             pass  # the pool is consistent either way (freed as empty)
 
+    def _record(self, kind: str, blocks: tuple[tuple[int, int], ...]) -> None:
+        """Queue a transfer; copy-on-write copies queued before it go first, so the
+        executor's order (transfers, then block copies) is the order of events here."""
+        if self._pending_copies:
+            self._transfers.append(KVTransfer("copy", tuple(self._pending_copies)))
+            self._pending_copies = []
+        self._transfers.append(KVTransfer(kind, blocks))
+
+    def _spill(self, block_ids: list[int]) -> None:
+        entries = []
+        for block_id in block_ids:
+            entry = self.index.entry(block_id)
+            if entry is not None:
+                entries.append((block_id, entry[0], entry[1]))
+        if not entries:
+            return
+        try:
+            pairs = self.tier.store(entries)
+        except ComponentError as err:  # inside the device pool's call: report, go on
+            self._errors.append(err)
+            return
+        if pairs:
+            self._record("spill", tuple(pairs))
+            self._log["spilled"].extend(pairs)
+
+    def _load(
+        self, request: Request, first: int, tier_ids: list[int], device_ids: list[int]
+    ) -> None:
+        """Record loads of second-tier hits into fresh device blocks (positions ``first``
+        on of the request), index those blocks, and unpin the tier's."""
+        pairs = tuple(zip(tier_ids, device_ids, strict=True))
+        self._record("load", pairs)
+        self._log["loaded"].extend(pairs)
+        bs, tokens, hashes = self.block_size, request.all_token_ids, request.block_hashes
+        indexed = []
+        for i, block_id in enumerate(device_ids):
+            pos = first + i
+            if not self.index.contains(hashes[pos]):  # the device may hold a later block
+                self.index.insert(block_id, hashes[pos], tuple(tokens[pos * bs : (pos + 1) * bs]))
+                indexed.append(block_id)
+        if indexed:
+            self.pool.mark_cached(indexed)
+            self._log["cached"].extend(indexed)
+        try:
+            self.tier.unpin(tier_ids)
+        except ComponentError as err:
+            self._errors.append(err)
+
+    def _unpin_quietly(self, tier_ids: list[int]) -> None:
+        try:
+            self.tier.unpin(tier_ids)
+        except ComponentError:
+            pass  # the tier is consistent either way; the caller re-raises its failure
+
     def _note_freed(self, freed: list[int]) -> None:
         # Pending copies into freed blocks stay: a later copy may read from such a block,
         # and copying into a block nobody reads yet is harmless.
         self._log["freed"].extend(freed)
 
     def _forget(self, block_ids: list[int]) -> None:
-        """The pool dropped these blocks' cached content: the index must not find them."""
+        """The pool dropped these blocks' cached content: the index must not find them.
+        With a second tier, the content (still valid now: nothing wrote the blocks yet)
+        spills there first."""
+        if self.tier is not None and self._spilling:
+            self._spill(block_ids)
         self.index.remove(block_ids)
         self._log["evicted"].extend(block_ids)

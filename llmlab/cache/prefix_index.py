@@ -21,10 +21,20 @@ def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
-    """Append the hashes of any newly full blocks of ``token_ids`` to ``hashes`` in place."""
+def root_hash(salt: int | None = None) -> int:
+    """The parent hash of a sequence's first block: :data:`ROOT_HASH`, or with a ``salt``
+    (a LoRA adapter's ``hash_salt``) a root of its own, so sequences under different salts
+    never share a block hash (a 3-tuple, never the 2-tuple of a block's hash)."""
+    return ROOT_HASH if salt is None else hash((ROOT_HASH, salt, -1))
+
+
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, salt: int | None = None
+) -> None:
+    """Append the hashes of any newly full blocks of ``token_ids`` to ``hashes`` in place
+    (``salt``: see :func:`root_hash`)."""
     num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root_hash(salt)
     for i in range(len(hashes), num_full):
         parent = chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         hashes.append(parent)
@@ -57,6 +67,10 @@ class PrefixIndex:
     def hash_of(self, block_id: int) -> int | None:
         entry = self._entry_of_block.get(block_id)
         return None if entry is None else entry[0]
+
+    def entry(self, block_id: int) -> tuple[int, tuple[int, ...]] | None:
+        """``(block_hash, token_ids)`` of an indexed block, or None."""
+        return self._entry_of_block.get(block_id)
 
     def block_ids(self) -> KeysView[int]:
         """Ids of the indexed blocks (a live view)."""

@@ -321,6 +321,10 @@ class DataParallelEngine:
         """
         cfg = EngineBuilder.from_settings(model, tokenizer, **settings).config
         _refuse_pooling(cfg)
+        if cfg.enable_lora:
+            from llmlab.lora.attach import check_lora_settings
+
+            check_lora_settings(cfg, pooling=False, model_class=None)  # refuses DP
         n = cfg.data_parallel_size
         router = resolve_router(router)
         resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process

@@ -272,13 +272,15 @@ class AsyncEngine:
         priority: int = 0,
         user: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Check and queue a request; returns its :class:`RequestStream`.
 
         Raises ``TypeError``/``ValueError`` (queueing nothing) on bad input, exactly as
         :meth:`Engine.add_request` does, and :class:`EngineDeadError` when not running.
         ``request_id=None`` picks a fresh one; an int (vLLM's examples pass one) is taken as
-        its str.
+        its str. ``lora_request``: a :class:`~llmlab.lora.request.LoRARequest` (its
+        adapter is loaded and checked off the loop, with the prompt), or None.
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_reason())
@@ -289,10 +291,11 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         prepared = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, functools.partial(
                 self.engine.prepare_request, request_id, prompt, params, arrival_time,
-                priority, user,
+                priority, user, **lora,
             ),
         )
         delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
@@ -316,16 +319,19 @@ class AsyncEngine:
         *,
         priority: int = 0,
         user: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are produced (vLLM's ``generate``).
 
         What each output holds follows ``sampling_params.output_kind``: everything so far
         (``CUMULATIVE``, the default), only what is new (``DELTA``), or just the final one
         (``FINAL_ONLY``). Closing the generator early (a client that went away) aborts the
-        request and frees its blocks.
+        request and frees its blocks. ``lora_request``: run it with that LoRA adapter
+        (the engine needs ``enable_lora=True``).
         """
         stream = await self.add_request(
-            request_id, prompt, sampling_params, priority=priority, user=user
+            request_id, prompt, sampling_params, priority=priority, user=user,
+            lora_request=lora_request,
         )
         try:
             async for output in stream:

@@ -34,6 +34,7 @@ from llmlab.cache.kv_tensors import allocate_kv_caches, num_blocks_for
 from llmlab.config import EngineConfig
 from llmlab.engine.cuda_graphs import DecodeGraphs
 from llmlab.engine.engine import Engine
+from llmlab.engine.host_kv import attach_host_kv, check_host_kv_settings, host_pools
 from llmlab.engine.model_runner import ModelRunner
 from llmlab.engine.pooling_rows import PoolingRows
 from llmlab.engine.pooling_setup import pooling_spec
@@ -43,6 +44,7 @@ from llmlab.kernels.cpu_linear import (
     onednn_unavailable_reason,
     prepack_linears,
 )
+from llmlab.lora.attach import attach_lora, check_lora_settings
 from llmlab.models.loader import (
     load_model,
     load_tokenizer,
@@ -52,6 +54,7 @@ from llmlab.models.loader import (
 )
 from llmlab.models.registry import get_model_class
 from llmlab.pooling.task import PoolingSpec
+from llmlab.quantization.loading import QuantizationSpec, resolve_quantization
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
@@ -88,6 +91,8 @@ class EngineBuilder:
     eviction_policy: EvictionPolicy | str | None = None
     attention_backend: AttentionBackend | str | None = None
     sampler: Sampler | str | None = None
+    # The KV offload tier's eviction policy (kv_offloading_size); None: the config's name.
+    offload_eviction_policy: EvictionPolicy | str | None = None
 
     @classmethod
     def from_settings(
@@ -133,6 +138,11 @@ class EngineBuilder:
     def with_sampler(self, sampler: Sampler) -> EngineBuilder:
         return attrs.evolve(self, sampler=sampler)
 
+    def with_offload_eviction_policy(self, policy: EvictionPolicy) -> EngineBuilder:
+        """The KV offload tier's eviction policy (an instance or registered name; default:
+        ``config.kv_offloading_eviction_policy``); the tier needs ``kv_offloading_size``."""
+        return attrs.evolve(self, offload_eviction_policy=policy)
+
     def build(self) -> Engine:
         cfg = self.config
         if cfg.data_parallel_size > 1:
@@ -143,6 +153,11 @@ class EngineBuilder:
             )
         policy = _component("scheduling_policy", self.scheduling_policy)
         eviction = _component("eviction_policy", self.eviction_policy)
+        # The second tier's own policy instance (never the device pool's).
+        offload_eviction = _component("eviction_policy", (
+            self.config.kv_offloading_eviction_policy
+            if self.offload_eviction_policy is None else self.offload_eviction_policy
+        ))
         as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
         plan = self.plan()
         workers = None
@@ -160,7 +175,10 @@ class EngineBuilder:
                 workers.shutdown()
             raise
         cfg = plan.config
-        scheduler = build_scheduler(cfg, rank.num_blocks, plan.max_model_len, policy, eviction)
+        scheduler = build_scheduler(
+            cfg, rank.num_blocks, plan.max_model_len, policy, eviction,
+            **host_pools(rank.runner.host_kv, offload_eviction),
+        )
         scheduler.speculation = rank.length
         executor = rank.runner
         if workers is not None:
@@ -179,6 +197,7 @@ class EngineBuilder:
             max_logprobs=cfg.max_logprobs,
             grammars=rank.grammars,
             pooling=plan.pooling,
+            lora=None if rank.lora is None else rank.lora.store,
         )
         if callable(getattr(rank.length, "observe", None)):
             engine.subscribe(rank.length.observe)  # an adaptive length learns from step events
@@ -194,6 +213,7 @@ class EngineBuilder:
         if not auto_attention:
             attention = _component("attention_backend", self.attention_backend)
         sampler = _component("sampler", self.sampler) or Sampler()
+        check_host_kv_settings(cfg)
         device = resolve_device(cfg.device)
         check = getattr(attention, "check_device", None)
         if check is not None:  # e.g. triton asked for where it cannot run: fail before loading
@@ -207,9 +227,15 @@ class EngineBuilder:
         # contract, before loading any weights.
         registry.check("model", get_model_class(getattr(hf_config, "architectures", None)))
         pooling = pooling_spec(cfg, hf_config, str(model_path))  # None: it generates
+        check_lora_settings(
+            cfg, pooling=pooling is not None,
+            model_class=get_model_class(getattr(hf_config, "architectures", None)),
+        )
         max_model_len = _max_model_len(cfg, hf_config)
         cfg = resolve_step_settings(cfg, device.type, max_model_len)
         dtype = resolve_dtype(cfg.dtype, hf_config, device)
+        # The scheme (argument vs the checkpoint's) and its device, checked before loading.
+        quantization = resolve_quantization(cfg.quantization, hf_config, device)
         if auto_attention:
             attention = auto_backend(device, dtype)
         check = getattr(attention, "check_dtype", None)
@@ -229,7 +255,7 @@ class EngineBuilder:
         return BuildPlan(
             config=cfg, model_path=str(model_path), hf_config=hf_config,
             max_model_len=max_model_len, dtype=dtype, device=device, prepack=prepack,
-            attention=attention, sampler=sampler, pooling=pooling,
+            attention=attention, sampler=sampler, pooling=pooling, quantization=quantization,
         )
 
 
@@ -248,6 +274,7 @@ class BuildPlan:
     attention: AttentionBackend
     sampler: Sampler
     pooling: PoolingSpec | None = None  # runner="pooling": its tasks, pooler, defaults
+    quantization: QuantizationSpec | None = None  # weight-only scheme of the linears
 
 
 @attrs.define
@@ -260,6 +287,7 @@ class RankParts:
     grammars: GrammarFactory | None
     eos_token_ids: frozenset[int]
     length: Any = None  # the speculative length policy (the scheduler's), or None
+    lora: Any = None  # enable_lora: the runner's LoRASlots (its store goes to the engine)
 
 
 def check_parallel_devices(cfg: EngineConfig, device: torch.device) -> None:
@@ -330,7 +358,16 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             model.fused_ops = True
         return model
 
-    model = for_device(load_model(model_path, hf_config, dtype, device, tp=tp))
+    # Quantized linears (each rank its own shard) before prepacking, which packs the rest.
+    load = load_model if plan.quantization is None else plan.quantization.load_model
+    model = for_device(load(model_path, hf_config, dtype, device, tp=tp))
+    lora = None
+    if cfg.enable_lora:  # wraps whatever linears loading, quantization, packing left
+        lora = attach_lora(
+            model, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            max_cpu_loras=cfg.max_cpu_loras, max_num_seqs=cfg.max_num_seqs, dtype=dtype,
+            device=device, base_model_names=(cfg.model, str(model_path)),
+        )
     tokenizer = None
     if not cfg.skip_tokenizer_init:
         tokenizer = load_tokenizer(
@@ -387,6 +424,8 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
     kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
     runner = runner_for(kv_caches, num_blocks)
     runner.threads = threads
+    attach_host_kv(runner, cfg, attention, layout, dtype, device, tp)  # swap / offload tier
+    runner.lora = lora
     if plan.pooling is not None:
         runner.pooling = PoolingRows(
             registry.create("pooler", plan.pooling.pooling_type),
@@ -414,7 +453,7 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             max_model_len=max_model_len,
             block_size=cfg.block_size,
         )
-    return RankParts(runner, num_blocks, tokenizer, grammars, eos_token_ids, length)
+    return RankParts(runner, num_blocks, tokenizer, grammars, eos_token_ids, length, lora)
 
 
 def resolve_step_settings(cfg: EngineConfig, device_type: str, max_model_len: int) -> EngineConfig:
@@ -445,13 +484,18 @@ def build_scheduler(
     max_model_len: int,
     policy: SchedulingPolicy | None,
     eviction: EvictionPolicy | None,
+    swap: Any = None,
+    tier: Any = None,
 ) -> Scheduler:
-    """The KV cache manager and scheduler an engine of ``cfg`` runs (real or simulated)."""
+    """The KV cache manager and scheduler an engine of ``cfg`` runs (real or simulated);
+    ``swap`` / ``tier``: its host pools' bookkeeping (``llmlab.cache.host_pools``)."""
     kv = KVCacheManager(
         num_blocks=num_blocks,
         block_size=cfg.block_size,
         enable_prefix_caching=cfg.enable_prefix_caching,
         eviction=eviction or LRUEviction(),
+        swap=swap,
+        tier=tier,
     )
     return Scheduler(
         kv=kv,
@@ -460,6 +504,8 @@ def build_scheduler(
         max_model_len=max_model_len,
         policy=policy or FCFS(),
         chunked_prefill=cfg.enable_chunked_prefill is not False,
+        max_loras=cfg.max_loras if cfg.enable_lora else None,
+        preemption_mode=cfg.preemption_mode or "recompute",
     )
 
 

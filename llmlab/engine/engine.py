@@ -81,6 +81,9 @@ class Engine:
     grammars: GrammarFactory | None = None  # shared with the executor: one compile cache
     # A pooling engine's tasks and defaults (runner="pooling"), or None (it generates).
     pooling: PoolingSpec | None = None
+    # enable_lora: the LoRA adapters in host memory (llmlab.lora.store.AdapterStore),
+    # shared by input processing (which loads and checks them) and the model runner.
+    lora: Any = None
     inputs: InputProcessor = attrs.field(default=None)
     outputs: OutputProcessor = attrs.field(default=None)
     # Live requests by their own id (a parallel sample's id is ``f"{index}_{request_id}"``).
@@ -126,6 +129,7 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Queue a request (:meth:`add_prepared_request` of :meth:`prepare_request`).
         Raises ``TypeError``/``ValueError`` (and queues nothing) on bad input.
@@ -137,8 +141,12 @@ class Engine:
         ``params``: ``SamplingParams`` on a generating engine; ``PoolingParams`` on a
         pooling one (``runner="pooling"``; None: the model's default task), whose output
         is a :class:`~llmlab.engine.outputs.PoolingRequestOutput` (vLLM's).
+        ``lora_request``: a :class:`~llmlab.lora.request.LoRARequest` to run the request
+        with that adapter (the engine needs ``enable_lora=True``), or None.
         """
-        prepared = self.prepare_request(request_id, prompt, params, arrival_time, priority, user)
+        prepared = self.prepare_request(
+            request_id, prompt, params, arrival_time, priority, user, lora_request=lora_request
+        )
         self.add_prepared_request(prepared)
 
     def prepare_request(
@@ -149,6 +157,7 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
+        lora_request: Any = None,
     ) -> PreparedRequest:
         """Check and tokenize a request without queueing it (same arguments and errors as
         :meth:`add_request`).
@@ -158,7 +167,8 @@ class Engine:
         tokenize and compile grammars here, off the engine's loop.
         """
         return self.inputs.prepare(
-            request_id, prompt, params, arrival_time, priority, user, self.clock()
+            request_id, prompt, params, arrival_time, priority, user, self.clock(),
+            lora_request=lora_request,
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:

@@ -55,6 +55,9 @@ class EngineSnapshot:
         num_computed: tokens in the KV cache per request holding blocks.
         num_waiting / num_running: queue lengths.
         time_s: the engine clock when the snapshot was taken.
+        num_swap_blocks / num_swap_blocks_used: the swap space (0 / 0: none).
+        num_offload_blocks / offload_cached: the prefix cache's second tier: its size and
+            the ids of its blocks holding content (0 / (): none).
     """
 
     step_index: int
@@ -65,6 +68,10 @@ class EngineSnapshot:
     num_waiting: int
     num_running: int
     time_s: float
+    num_swap_blocks: int = 0
+    num_swap_blocks_used: int = 0
+    num_offload_blocks: int = 0
+    offload_cached: tuple[int, ...] = ()
 
     @classmethod
     def take(
@@ -77,9 +84,17 @@ class EngineSnapshot:
         for rid in cache.block_tables:
             request = requests.get(rid)
             computed[rid] = request.num_computed_tokens if request is not None else 0
+        swap, tier = getattr(kv, "swap", None), getattr(kv, "tier", None)
+        host = {}
+        if swap is not None:
+            host.update(num_swap_blocks=swap.num_blocks,
+                        num_swap_blocks_used=swap.num_used_blocks)
+        if tier is not None:
+            host.update(num_offload_blocks=tier.num_blocks,
+                        offload_cached=tuple(sorted(tier.index.block_ids())))
         return cls(
             step_index, kv.block_size, kv.num_blocks, cache, computed, num_waiting,
-            num_running, time_s,
+            num_running, time_s, **host,
         )
 
 
@@ -128,6 +143,24 @@ class StepEvent:
             when ``j <= num_drafted`` and accepted when ``j <= num_accepted``; the
             definitions built on these are in ``docs/speculative.md``
             (:class:`~llmlab.speculative.stats.SpecDecodeStats`).
+        swapped_out: ``(request_id, num_blocks)`` for each request preempted by swapping
+            (``preemption_mode="swap"``): its computed blocks were copied to the swap space
+            (it is also in ``preempted``; one there and not here was preempted by
+            recompute).
+        swapped_in: ``(request_id, num_blocks)`` for each swapped request resumed this
+            step (its blocks copied back; it continues without recomputing).
+        blocks_spilled: ``(device_block, offload_block)`` for each cached block the device
+            pool dropped that was copied into the prefix cache's second tier
+            (``kv_offloading_size``); a block already there is not copied again.
+        blocks_loaded: ``(offload_block, device_block)`` for each second-tier prefix hit
+            copied back into the device pool before its request ran (second-tier hits;
+            the admissions' ``num_offloaded_tokens`` count them in tokens).
+        offload_blocks_evicted: second-tier blocks whose content the tier's own eviction
+            policy dropped to make room.
+        num_swap_blocks_used / num_swap_blocks: the swap space after the step (0 / 0:
+            none).
+        num_offload_blocks_cached / num_offload_blocks: the second tier after the step
+            (0 / 0: none).
     """
 
     step_index: int
@@ -160,6 +193,15 @@ class StepEvent:
     blocks_cached: tuple[int, ...] = ()
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
     speculated: tuple[tuple[str, int, int], ...] = ()
+    swapped_out: tuple[tuple[str, int], ...] = ()
+    swapped_in: tuple[tuple[str, int], ...] = ()
+    blocks_spilled: tuple[tuple[int, int], ...] = ()
+    blocks_loaded: tuple[tuple[int, int], ...] = ()
+    offload_blocks_evicted: tuple[int, ...] = ()
+    num_swap_blocks_used: int = 0
+    num_swap_blocks: int = 0
+    num_offload_blocks_cached: int = 0
+    num_offload_blocks: int = 0
 
 
 StepObserver = Callable[[StepEvent], None]
@@ -238,4 +280,23 @@ def step_event(
         blocks_cached=blocks.cached,
         block_tables=blocks.tables,
         speculated=speculated,
+        **_host_tiers(blocks, kv),
     )
+
+
+def _host_tiers(blocks: BlockEvents, kv: KVCacheManager) -> dict[str, Any]:
+    """The step event's swap and offload-tier fields (none without host pools)."""
+    swap, tier = getattr(kv, "swap", None), getattr(kv, "tier", None)
+    if swap is None and tier is None:
+        return {}
+    return {
+        "swapped_out": blocks.swapped_out,
+        "swapped_in": blocks.swapped_in,
+        "blocks_spilled": blocks.spilled,
+        "blocks_loaded": blocks.loaded,
+        "offload_blocks_evicted": blocks.offload_evicted,
+        "num_swap_blocks_used": 0 if swap is None else swap.num_used_blocks,
+        "num_swap_blocks": 0 if swap is None else swap.num_blocks,
+        "num_offload_blocks_cached": 0 if tier is None else tier.num_cached_blocks,
+        "num_offload_blocks": 0 if tier is None else tier.num_blocks,
+    }

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from llmlab.lora.request import LoRARequest
 from llmlab.pooling.task import PoolingSpec
 from llmlab.pooling_params import PoolingParams
 from llmlab.request import Request, SampleGroup
@@ -64,6 +65,7 @@ class PreparedRequest:
     priority: int = 0
     user: str | None = None
     grammar: Any = None  # the compiled structured-output grammar, if any (checked early)
+    lora_request: Any = None  # its LoRARequest (the adapter loaded and checked), or None
 
 
 @attrs.define
@@ -79,6 +81,8 @@ class InputProcessor:
         grammars: compiles structured-output constraints (shared with the executor).
         pooling: a pooling engine's tasks and defaults (``runner="pooling"``: requests
             take ``PoolingParams``), or None (a generating engine: ``SamplingParams``).
+        lora: the LoRA adapters in host memory (:class:`~llmlab.lora.store.AdapterStore`)
+            when the engine has ``enable_lora``, else None.
     """
 
     tokenizer: Any | None
@@ -91,6 +95,7 @@ class InputProcessor:
     max_logprobs: int = 20
     grammars: GrammarFactory | None = None
     pooling: PoolingSpec | None = None
+    lora: Any = None
 
     @classmethod
     def of(cls, engine: Any) -> InputProcessor:
@@ -100,6 +105,7 @@ class InputProcessor:
             engine.tokenizer, engine.vocab_size, engine.max_model_len, engine.eos_token_ids,
             engine.scheduler.max_num_seqs, kv.block_size, kv.num_blocks,
             engine.max_logprobs, engine.grammars, getattr(engine, "pooling", None),
+            getattr(engine, "lora", None),
         )
 
     def prepare(
@@ -111,9 +117,11 @@ class InputProcessor:
         priority: int,
         user: str | None,
         now: float,
+        lora_request: Any = None,
     ) -> PreparedRequest:
         """Check and tokenize one request (``now``: its arrival time when none is given).
-        Raises ``TypeError``/``ValueError`` naming the field."""
+        Raises ``TypeError``/``ValueError`` naming the field. ``lora_request``'s adapter is
+        loaded and checked here (before anything is queued)."""
         if not isinstance(request_id, str):
             raise TypeError(
                 f"request_id must be a str, got {type(request_id).__name__} {request_id!r}"
@@ -140,6 +148,8 @@ class InputProcessor:
                 f"{self.block_size} tokens, but the whole KV cache has {self.num_kv_blocks}; "
                 "shorten the prompt or give the cache more memory"
             )
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return PreparedRequest(
                 request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
@@ -159,7 +169,23 @@ class InputProcessor:
             priority=priority,
             user=user,
             grammar=grammar,
+            lora_request=lora_request,
         )
+
+    def check_lora(self, lora_request: Any) -> None:
+        """Load ``lora_request``'s adapter into host memory, checking it against the model
+        (``ValueError`` naming the field; ``enable_lora`` off is one too)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a LoRARequest or None, got "
+                f"{type(lora_request).__name__}"
+            )
+        if self.lora is None:
+            raise ValueError(
+                f"lora_request={lora_request!r} needs an engine built with enable_lora=True "
+                "(LLM(..., enable_lora=True), llmlab serve --enable-lora)"
+            )
+        self.lora.get(lora_request)
 
     def _params(self, params: object) -> SamplingParams | PoolingParams:
         """The request's own read-only copy of its parameters, of the kind this engine
@@ -321,6 +347,11 @@ class InputProcessor:
                     eos_token_ids=self.eos_token_ids,
                     group=group,
                     index=index,
+                    lora_request=prepared.lora_request,
+                    hash_salt=(
+                        None if prepared.lora_request is None
+                        else prepared.lora_request.hash_salt
+                    ),
                 )
             )
             if params.prompt_logprobs is not None:

@@ -60,7 +60,10 @@ class EngineCounters:
 
     Prompt tokens count once per request, when it is first admitted (not again after a
     preemption); generation tokens are every token a step sampled; a finished request
-    counts under its finish reason, an aborted one under ``abort``.
+    counts under its finish reason, an aborted one under ``abort``. Prefix-cache tokens
+    are counted per tier: queries and hits on the device at every admission, and, with a
+    KV offload tier, the tokens looked up there past the device hit and found (vLLM's
+    ``external_prefix_cache_*``, its KV connector's); a tier's hit rate is hits / queries.
     """
 
     num_prompt_tokens: int = attrs.field(default=0, init=False)
@@ -69,6 +72,11 @@ class EngineCounters:
     num_requests_running: int = attrs.field(default=0, init=False)
     num_requests_waiting: int = attrs.field(default=0, init=False)
     kv_cache_usage: float = attrs.field(default=0.0, init=False)
+    prefix_cache_queries: int = attrs.field(default=0, init=False)
+    prefix_cache_hits: int = attrs.field(default=0, init=False)
+    external_prefix_cache_queries: int = attrs.field(default=0, init=False)
+    external_prefix_cache_hits: int = attrs.field(default=0, init=False)
+    num_preemptions: int = attrs.field(default=0, init=False)
 
     def __call__(self, event: StepEvent) -> None:
         self.num_prompt_tokens += sum(
@@ -82,6 +90,16 @@ class EngineCounters:
         self.num_requests_running = event.num_running
         self.num_requests_waiting = event.num_waiting
         self.kv_cache_usage = event.kv_usage
+        self.num_preemptions += len(event.preempted)
+        for admission in event.admitted:
+            device_hits = admission.num_cached_tokens - admission.num_offloaded_tokens
+            self.prefix_cache_queries += admission.num_queried_tokens
+            self.prefix_cache_hits += device_hits
+            if event.num_offload_blocks:
+                self.external_prefix_cache_queries += max(
+                    0, admission.num_queried_tokens - device_hits
+                )
+                self.external_prefix_cache_hits += admission.num_offloaded_tokens
 
 
 def collect(
@@ -106,6 +124,13 @@ def collect(
         Gauge("llmlab:kv_cache_usage_perc", labels(), counters.kv_cache_usage),
         Counter("llmlab:prompt_tokens", labels(), counters.num_prompt_tokens),
         Counter("llmlab:generation_tokens", labels(), counters.num_generation_tokens),
+        Counter("llmlab:num_preemptions", labels(), counters.num_preemptions),
+        Counter("llmlab:prefix_cache_queries", labels(), counters.prefix_cache_queries),
+        Counter("llmlab:prefix_cache_hits", labels(), counters.prefix_cache_hits),
+        Counter("llmlab:external_prefix_cache_queries", labels(),
+                counters.external_prefix_cache_queries),
+        Counter("llmlab:external_prefix_cache_hits", labels(),
+                counters.external_prefix_cache_hits),
         *(
             Counter("llmlab:request_success", labels(finished_reason=reason), count)
             for reason, count in counters.finished.items()

@@ -35,7 +35,9 @@ from llmlab.attention.backend import (
     AttentionInputs,
     token_slots,
 )
+from llmlab.cache.kv_tensors import copy_blocks_between
 from llmlab.errors import ComponentError
+from llmlab.lora.slots import with_failures
 from llmlab.sampling.logprobs import gather_logprobs
 from llmlab.sampling.metadata import (
     GrammarFactory,
@@ -89,6 +91,13 @@ class ModelRunner:
     # Set by the builder for runner="pooling" (llmlab.engine.pooling_rows.PoolingRows):
     # pooling rows' hidden states across prefill chunks, pooled when a prompt ends.
     pooling: Any = attrs.field(init=False, default=None)
+    # Set by the builder with swap preemption or the KV offload tier
+    # (llmlab.cache.kv_tensors.HostKVCaches): the host pools' tensors that the batch's
+    # kv_transfers move blocks to and from.
+    host_kv: Any = attrs.field(init=False, default=None)
+    # Set by the builder with enable_lora (llmlab.lora.slots.LoRASlots): each row's
+    # adapter, the device slots, and the step's tokens grouped by slot.
+    lora: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -137,6 +146,8 @@ class ModelRunner:
             self.speculator.reset()
         if self.pooling is not None:
             self.pooling.reset()
+        if self.lora is not None:
+            self.lora.reset()
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
@@ -151,29 +162,67 @@ class ModelRunner:
                 self.speculator.release(batch.freed_rows)
             if self.pooling is not None:
                 self.pooling.release(batch.freed_rows)
+            if self.lora is not None:
+                self.lora.release(batch.freed_rows)
+        if batch.kv_transfers:  # first: every move was recorded before these copies
+            self._apply_transfers(batch.kv_transfers)
         if batch.block_copies:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
         self._start_rows(batch.entries)
         self.block_tables.apply(batch.entries)
+        # The step's LoRA adapters into device slots; one that cannot be read back fails
+        # its own requests (llmlab.lora.slots).
+        lora_failed = self.lora.activate(batch.entries) if self.lora is not None else None
         if self.speculator is not None and any(e.num_lookahead for e in batch.entries):
             batch, drafts = self.speculator.propose(batch, self.rows)
             if drafts:
                 hidden = self.run_model(batch, self.kv_caches, self.attention_state)
-                return self._sample(batch, hidden, drafts)
+                output = self._sample(batch, hidden, drafts)
+                return with_failures(output, lora_failed) if lora_failed else output
         hidden = None
-        if self.decode_graphs is not None:
-            # None: not a batch a graph serves.
+        if self.decode_graphs is not None and (self.lora is None or not self.lora.active):
+            # None: not a batch a graph serves. A step with LoRA adapters runs eagerly:
+            # the graphs were captured without any slot index.
             hidden = self.decode_graphs.run(batch, self.block_tables)
         if hidden is None:
             hidden = self.run_model(batch, self.kv_caches, self.attention_state)
         output = self._sample(batch, hidden)
+        if lora_failed:
+            output = with_failures(output, lora_failed)
         if self.pooling is not None:
             pooled = self.pooling.collect(batch.entries, hidden)
             if pooled is not None:
                 output = attrs.evolve(output, pooled=pooled)
         return output
+
+    def _apply_transfers(self, transfers) -> None:
+        """Move KV blocks between the device cache and the host pools, in batch order
+        (outside any CUDA graph: a replayed decode reads the blocks afterwards)."""
+        for transfer in transfers:
+            if transfer.kind == "copy":
+                self.attention.copy_blocks(self.kv_caches, list(transfer.blocks), self.block_size)
+                continue
+            src, src_blocks = self._kv_pool(transfer.source)
+            dst, dst_blocks = self._kv_pool(transfer.destination)
+            copy_blocks_between(src, src_blocks, dst, dst_blocks, transfer.blocks)
+
+    def _kv_pool(self, name: str) -> tuple[list[torch.Tensor], int]:
+        if name == "device":
+            return self.kv_caches, self.num_kv_blocks
+        tensors, num_blocks = (None, 0) if self.host_kv is None else self.host_kv.pool(name)
+        if not tensors:
+            raise ValueError(
+                f"the batch moves KV blocks to or from the {name!r} host pool, which this "
+                "runner does not have (preemption_mode='swap' / kv_offloading_size)"
+            )
+        return tensors, num_blocks
+
+    def shutdown(self) -> None:
+        """Release the host KV pools (a disk tier's temporary directory is removed)."""
+        if self.host_kv is not None:
+            self.host_kv.close()
 
     def _start_rows(self, entries: tuple[ScheduledRequest, ...]) -> None:
         rows = self.rows
@@ -205,6 +254,13 @@ class ModelRunner:
                     list(setup.output_token_ids), setup.eos_token_ids, grammar,
                 )
                 self.param_columns.set(e.row, params)
+                if self.lora is not None:
+                    self.lora.start_row(e.row, setup.lora)
+                elif setup.lora is not None:
+                    raise ValueError(
+                        f"request {e.request_id!r} runs LoRA adapter {setup.lora.lora_name!r}, "
+                        "but this runner has no LoRA slots (enable_lora=False)"
+                    )
             elif rows[e.row] is None:
                 raise ValueError(
                     f"row {e.row} (request {e.request_id!r}) has no state: a row's first "
@@ -266,6 +322,8 @@ class ModelRunner:
                 sample_rows.append(leader)
                 row_ids.append(entry.row)
                 for fork in entry.forks:
+                    if self.lora is not None:
+                        self.lora.fork(entry.row, fork.row)
                     sample_rows.append(self._fork_row(leader, fork))
                     row_ids.append(fork.row)
         any_prompt = any(p is not None for p in prompt_scores)
@@ -526,7 +584,14 @@ class ModelRunner:
                 "attention backend", self.attention, "build_metadata", err
             ) from err
         context = AttentionContext(self.attention, metadata, kv_caches)
-        return self.model(input_ids, positions, context)
+        lora = self.lora
+        if lora is None:
+            return self.model(input_ids, positions, context)
+        lora.begin(batch.entries, np.asarray(inputs.query_lens, dtype=np.int64))
+        try:
+            return self.model(input_ids, positions, context)
+        finally:
+            lora.end()
 
 
 def _is_per_request(row: SamplingRow) -> bool:

@@ -51,7 +51,7 @@ _REQUIRED = tuple(
     for name, f in _EVENT_FIELDS.items()
     if f.default is attrs.NOTHING and name not in ("scheduled_users", "scheduled_priorities")
 )
-_PAIRS = ("scheduled", "finished", "sampled")
+_PAIRS = ("scheduled", "finished", "sampled", "swapped_out", "swapped_in")
 _BLOCKS = (
     "blocks_allocated",
     "blocks_freed",
@@ -59,7 +59,10 @@ _BLOCKS = (
     "blocks_evicted",
     "blocks_forked",
     "blocks_cached",
+    "offload_blocks_evicted",
 )
+# (block, block) pairs between the device pool and the offload tier.
+_BLOCK_PAIRS = ("blocks_spilled", "blocks_loaded")
 
 
 # -- encoding ------------------------------------------------------------------------
@@ -114,6 +117,8 @@ def event_from_json(data: dict[str, Any]) -> StepEvent:
 def _decode_field(name: str, value: Any) -> Any:
     if name in _PAIRS:
         return tuple((str(a), int(b) if name != "finished" else str(b)) for a, b in value)
+    if name in _BLOCK_PAIRS:
+        return tuple((int(a), int(b)) for a, b in _list(value))
     if name in _BLOCKS or name in ("num_computed", "scheduled_priorities"):
         return tuple(int(v) for v in _list(value))
     if name in ("preempted", "aborted"):
@@ -157,7 +162,17 @@ def snapshot_to_json(snapshot: EngineSnapshot) -> dict[str, Any]:
         "num_waiting": snapshot.num_waiting,
         "num_running": snapshot.num_running,
         "time_s": snapshot.time_s,
+        **{  # host tiers, only when there are any
+            name: list(value) if isinstance(value, tuple) else value
+            for name in _HOST_SNAPSHOT_FIELDS
+            if (value := getattr(snapshot, name))
+        },
     }
+
+
+_HOST_SNAPSHOT_FIELDS = (
+    "num_swap_blocks", "num_swap_blocks_used", "num_offload_blocks", "offload_cached",
+)
 
 
 def snapshot_from_json(data: dict[str, Any]) -> EngineSnapshot:
@@ -182,6 +197,10 @@ def snapshot_from_json(data: dict[str, Any]) -> EngineSnapshot:
         num_waiting=int(data["num_waiting"]),
         num_running=int(data["num_running"]),
         time_s=float(data["time_s"]),
+        num_swap_blocks=int(data.get("num_swap_blocks", 0)),
+        num_swap_blocks_used=int(data.get("num_swap_blocks_used", 0)),
+        num_offload_blocks=int(data.get("num_offload_blocks", 0)),
+        offload_cached=tuple(int(b) for b in data.get("offload_cached", ())),
     )
 
 

@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -190,12 +190,19 @@ def load_model(
     dtype: torch.dtype | str,
     device: str | torch.device,
     tp: TensorParallel | None = None,
+    *,
+    prepare: Callable[[nn.Module], object] | None = None,
+    read_weights: Callable[[Iterator], Iterator] | None = None,
 ) -> nn.Module:
     """Build the model ``hf_config.architectures`` names and fill it from ``model_path``.
 
     Returns the model in eval mode with gradients off, its parameters in ``dtype`` (a
     torch dtype or any name :func:`resolve_dtype` accepts) on ``device``. With a parallel
     ``tp``, the model holds this rank's shard and reads only its slices of the checkpoint.
+
+    ``prepare(model)`` runs on the model built on the meta device, before it is
+    materialised (a quantized checkpoint's loader swaps in modules shaped like its
+    tensors there); ``read_weights`` filters the checkpoint's ``(name, tensor)`` stream.
     """
     cls = get_model_class(config_value(hf_config, "architectures"))
     device = torch.device(device)
@@ -203,8 +210,11 @@ def load_model(
     parallel = tp is not None and tp.is_parallel
     with torch.device("meta"), _default_dtype(dtype):
         model = build_model_class(cls, hf_config, tp)
+        if prepare is not None:
+            prepare(model)
     model = model.to_empty(device=device)
-    model.load_weights(iterate_weights(model_path, lazy=parallel))
+    weights = iterate_weights(model_path, lazy=parallel)
+    model.load_weights(weights if read_weights is None else read_weights(weights))
     model.eval()
     model.requires_grad_(False)
     return model

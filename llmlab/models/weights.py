@@ -85,6 +85,36 @@ def _read(tensor: torch.Tensor | LazyTensor, shard: tuple[int, int, int] | None)
     return tensor.narrow(dim, start, length)
 
 
+# A quantized checkpoint (llmlab.quantization) stores beside each quantized ``X.weight``
+# its per-output-channel scales ``X.weight_scale``, already a vector of output channels.
+SCALE_SUFFIX = ".weight_scale"
+
+
+def _is_quantized_dtype(dtype: torch.dtype) -> bool:
+    return dtype == torch.int8 or (dtype.is_floating_point and dtype.itemsize == 1)
+
+
+def scale_target(target: WeightTarget) -> WeightTarget:
+    """Where a weight's per-output-channel scale goes: the same rows of the parameter's
+    ``_scale`` companion, sliced only where the weight's output dimension is (a
+    row-parallel weight's scale is whole on every rank)."""
+    out_dim = 1 if target.transpose else 0
+    shard = None
+    if target.shard is not None and target.shard[0] == out_dim:
+        shard = (0, target.shard[1], target.shard[2])
+    return WeightTarget(f"{target.param}_scale", row_offset=target.row_offset, shard=shard)
+
+
+def _map_with_scales(map_name: NameMapper, name: str) -> list[WeightTarget] | None:
+    scaled = name.endswith(SCALE_SUFFIX)
+    targets = map_name(name.removesuffix("_scale") if scaled else name)
+    if targets is None:
+        return None
+    if isinstance(targets, WeightTarget):
+        targets = [targets]
+    return [scale_target(t) for t in targets] if scaled else targets
+
+
 def load_mapped_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
@@ -99,11 +129,9 @@ def load_mapped_weights(
     model_name = type(model).__name__
     filled_rows: dict[str, int] = {}
     for name, tensor in weights:
-        targets = map_name(name)
+        targets = _map_with_scales(map_name, name)
         if targets is None:
             continue
-        if isinstance(targets, WeightTarget):
-            targets = [targets]
         for target in targets:
             param = params.get(target.param)
             if param is None:
@@ -141,6 +169,12 @@ def load_mapped_weights(
                     f"weight {name!r} has shape {tuple(source.shape)} but {model_name}."
                     f"{target.param} expects {tuple(dest.shape)}; does the config match the "
                     "checkpoint?"
+                )
+            if _is_quantized_dtype(dest.dtype) and source.dtype != dest.dtype:
+                # Casting floats into int8 / fp8 would truncate them, not quantize them.
+                raise ValueError(
+                    f"weight {name!r} is {source.dtype} but {model_name}.{target.param} "
+                    f"holds quantized {dest.dtype}; is the checkpoint quantized?"
                 )
             with torch.no_grad():
                 dest.copy_(source)

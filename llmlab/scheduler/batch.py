@@ -12,8 +12,10 @@ lifecycle state; the scheduler does that with the returned :class:`BatchOutput`.
   executor builds its per-row state (sampling parameters as admitted, the prompt, tokens
   generated before a preemption);
 * for the whole step: rows released since the previous batch (their per-row state in an
-  executor or backend is dead), and KV block copies (copy-on-write) to apply before the
-  forward pass.
+  executor or backend is dead), KV transfers between the device pool and the host pools
+  (swap out / in, spills to and loads from the prefix cache's second tier:
+  :class:`~llmlab.cache.transfers.KVTransfer`), then KV block copies (copy-on-write), all
+  to apply in that order before the forward pass.
 
 Execution answers with a :class:`BatchOutput`: per entry, a *list* of tokens with their
 log-probabilities (empty for a prefill chunk that scores nothing), so sampling several
@@ -34,6 +36,8 @@ from typing import Any, NamedTuple
 import attrs
 import numpy as np
 
+from llmlab.cache.transfers import KVTransfer
+from llmlab.lora.request import LoRARequest
 from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.params import SamplingParams
 
@@ -50,12 +54,15 @@ class RowSetup:
             preemption, or re-sent after a failed step); the row's state starts from them
             (penalty counts, grammar position, the seeded stream's draw index).
         eos_token_ids: the ids that end it unless ``params.ignore_eos``.
+        lora: the row's LoRA adapter (a :class:`~llmlab.lora.request.LoRARequest`: plain
+            data, its name, id and path), or None for the base model.
     """
 
     params: SamplingParams | PoolingParams
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
+    lora: LoRARequest | None = None
 
 
 @attrs.frozen
@@ -159,7 +166,12 @@ class Admission:
         num_queried_tokens: tokens looked up in the prefix cache at admission (0 when no
             lookup ran: prefix caching off, or prompt logprobs asked for).
         num_cached_tokens: how many of them were found there (not computed again).
-        resumed: whether it was preempted before (its KV is being recomputed).
+        resumed: whether it was preempted before (its KV is being recomputed, or swapped
+            back in).
+        num_offloaded_tokens: of ``num_cached_tokens``, those found in the prefix cache's
+            second tier (loaded back this step); the rest were on the device.
+        num_swapped_tokens: tokens whose KV was swapped back in (a request preempted by
+            swapping resumes where it stopped; 0 otherwise).
     """
 
     request_id: str
@@ -168,6 +180,8 @@ class Admission:
     num_queried_tokens: int
     num_cached_tokens: int
     resumed: bool = False
+    num_offloaded_tokens: int = 0
+    num_swapped_tokens: int = 0
 
 
 @attrs.frozen
@@ -181,9 +195,16 @@ class ScheduledBatch:
             an executor drops their per-row state *before* setting up ``entries``, which
             may reuse them.
         block_copies: ``(src_block, dst_block)`` KV copies to apply before the forward
-            (copy-on-write of a shared, partly filled block).
+            (copy-on-write of a shared, partly filled block), after ``kv_transfers``.
         admitted: requests admitted from the waiting queue in this step (their entries
             are among ``entries``), for observers; executors need not read it.
+        kv_transfers: KV block moves between pools (:class:`KVTransfer`: swap out / in,
+            spill to / load from the offload tier, and copy-on-write copies recorded
+            before one of them), to apply in order before ``block_copies`` and the
+            forward: a move out of a device block always precedes anything this step
+            writes into it, and a move in precedes the forward that reads it. Every
+            tensor-parallel rank applies them to its own shard. Empty unless swap
+            preemption or the offload tier is on.
     """
 
     entries: tuple[ScheduledRequest, ...]
@@ -191,6 +212,7 @@ class ScheduledBatch:
     freed_rows: tuple[int, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
     admitted: tuple[Admission, ...] = ()
+    kv_transfers: tuple[KVTransfer, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -200,7 +222,7 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to release: executors may skip the step."""
-        return not (self.entries or self.freed_rows or self.block_copies)
+        return not (self.entries or self.freed_rows or self.block_copies or self.kv_transfers)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -193,9 +193,17 @@ class Lifecycle:
         self.running.remove(request)
         self._release_row(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._free_blocks(request)
+        swapped = False
+        if self._preemption_mode(request) == "swap":
+            try:  # keeps num_computed_tokens: it resumes where it stopped
+                swapped = self.kv.swap_out(request)
+            except ComponentError as err:  # swapped, and the pool is consistent
+                self._errors.append(err)
+                swapped = self.kv.is_swapped(request)
+        if not swapped:  # recompute (the default, and the fallback when swap is full)
+            request.num_computed_tokens = 0
+            self._free_blocks(request)
         self._waiting[request.request_id] = request
         self._push(request, now)
 

@@ -21,6 +21,10 @@ policy makes four decisions and sees requests only through read-only
 ``on_step(served, now)``               optional: what each request was served this step
 ``attach(view)``                       optional: called once with a :class:`SchedulerView`
                                        (prefix-cache lookups, pool and queue sizes)
+``preemption_mode(victim)``            optional: ``"swap"``, ``"recompute"`` or None (the
+                                       engine's ``preemption_mode``) for a victim about to be
+                                       preempted; swap falls back to recompute when the swap
+                                       space is full (e.g. swap long contexts, recompute short)
 =====================================  ==========================================================
 
 The waiting queue is the policy's own, kept incrementally, so a step costs O(log n) in the
@@ -163,11 +167,14 @@ class SchedulerView:
         return self._running()
 
     def cached_prefix_tokens(self, request: RequestView) -> int:
-        """Tokens of ``request`` (prompt + output so far) a prefix-cache hit would cover now.
+        """Tokens of ``request`` (prompt + output so far) a prefix-cache hit would cover now
+        (device blocks, then their continuation in the offload tier, if there is one).
 
         O(length of the hit in blocks); reads the cache without touching eviction order.
         """
-        return len(self._kv.lookup_prefix(request._request)) * self._kv.block_size
+        kv, live = self._kv, request._request
+        device = kv.lookup_prefix(live)
+        return (len(device) + len(kv.lookup_offloaded(live, len(device)))) * kv.block_size
 
 
 # -- the waiting queue behind ``Policy`` ------------------------------------------------------

@@ -72,6 +72,16 @@ class Scheduler(Lifecycle):
             ``1 + k`` tokens and reserves their KV blocks (never preempting for a draft:
             when they do not fit, the request decodes plainly), and after verification
             keeps the accepted tokens' KV and returns the blocks past them.
+        max_loras: the most distinct LoRA adapters among running requests (so in any
+            step); None: no limit. A waiting request whose adapter would exceed it is
+            handed back like one that does not fit, and admission stops there until a
+            running adapter's requests finish (FCFS order keeps it from starving);
+            nothing is preempted for it.
+        preemption_mode: ``"recompute"`` (a victim's blocks are freed and its tokens
+            recomputed on resumption) or ``"swap"`` (its computed blocks are copied to the
+            KV cache manager's swap space and back on resumption; recompute when that is
+            full, or for pooling requests). A policy's optional ``preemption_mode(victim)``
+            may choose per victim.
     """
 
     kv: KVCacheManager
@@ -81,6 +91,8 @@ class Scheduler(Lifecycle):
     policy: SchedulingPolicy = attrs.field(factory=FCFS)
     chunked_prefill: bool = True
     speculation: Any = None
+    max_loras: int | None = None
+    preemption_mode: str = "recompute"
     running: list[Request] = attrs.field(factory=list)
     # Requests waiting (queued in the policy, or popped during this step's admission).
     _waiting: dict[str, Request] = attrs.field(init=False, factory=dict)
@@ -134,7 +146,7 @@ class Scheduler(Lifecycle):
     def take_errors(self) -> list[Exception]:
         """Errors recorded since the last call (component failures, requests failed)."""
         errors, self._errors = self._errors, []
-        return errors
+        return errors + self.kv.take_errors()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -178,6 +190,7 @@ class Scheduler(Lifecycle):
             entries=tuple(entries),
             preempted=tuple(preempted),
             freed_rows=freed,
+            kv_transfers=tuple(self.kv.take_transfers()),
             block_copies=tuple(self.kv.take_block_copies()),
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
@@ -342,6 +355,9 @@ class Scheduler(Lifecycle):
                 if not verdict:
                     handed_back.append(request)
                     continue
+            if self.max_loras is not None and self._lora_blocked(request):
+                handed_back.append(request)  # its adapter would exceed max_loras
+                break
             placed, budget = self._place(
                 request, entries, budget, preempted, admitted_now, preempt_for, now
             )
@@ -371,10 +387,19 @@ class Scheduler(Lifecycle):
         """
         rows_needed = 1 + len(request.forks)
         while True:
-            # Prompt logprobs, and poolers that read every position, need every prompt
-            # position computed: no prefix-cache hits.
-            prefix = [] if request.skips_prefix_cache else self.kv.lookup_prefix(request)
-            num_cached = len(prefix) * self.kv.block_size
+            # A request preempted by swapping resumes where it stopped (its KV swapped in).
+            swapped = self.kv.is_swapped(request)
+            prefix = offloaded = ()
+            if swapped:
+                num_cached = request.num_computed_tokens
+            elif not request.skips_prefix_cache:
+                # Prompt logprobs, and poolers that read every position, need every prompt
+                # position computed: no prefix-cache hits. A hit continues in the offload
+                # tier past the device's (loaded back by allocate).
+                prefix = self.kv.lookup_prefix(request)
+                offloaded = self.kv.lookup_offloaded(request, len(prefix))
+            if not swapped:
+                num_cached = (len(prefix) + len(offloaded)) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             if not self.chunked_prefill and remaining > budget:
                 return None, budget
@@ -382,13 +407,22 @@ class Scheduler(Lifecycle):
             allocated = False
             if self._rows.num_free >= rows_needed:
                 try:
-                    allocated = self.kv.allocate(request, num_new, prefix)
+                    if swapped:
+                        allocated = self.kv.swap_in(request, num_new)
+                    else:
+                        allocated = self.kv.allocate(request, num_new, prefix, offloaded)
                 except ComponentError as err:
                     self._errors.append(err)
                     return None, budget
             if allocated:
                 break
             if self._rows.num_free >= rows_needed and not self.running and not entries:
+                if swapped:
+                    # The whole pool cannot take its KV back at once: recompute instead
+                    # (in chunks), dropping the swapped copy.
+                    self._free_blocks(request)
+                    request.num_computed_tokens = 0
+                    continue
                 # Nothing holds blocks, so the whole pool was on offer: it never fits.
                 self._fail(request, self._too_big(request, num_cached + num_new))
                 return False, budget
@@ -414,10 +448,14 @@ class Scheduler(Lifecycle):
         queried = 0 if request.skips_prefix_cache or not self.kv.enable_prefix_caching else (
             request.num_tokens
         )
+        bs = self.kv.block_size
         self._admitted.append(
             Admission(
                 request.request_id, request.arrival_time, request.num_prompt_tokens,
-                queried, num_cached, resumed=request.num_preemptions > 0,
+                0 if swapped else queried, 0 if swapped else num_cached,
+                resumed=request.num_preemptions > 0,
+                num_offloaded_tokens=len(offloaded) * bs,
+                num_swapped_tokens=num_cached if swapped else 0,
             )
         )
         if request.num_preemptions == 0:
@@ -430,6 +468,15 @@ class Scheduler(Lifecycle):
         self.running.append(request)
         entries.append(self._entry(request, num_new, new_row=True))
         return True, budget - num_new
+
+    def _lora_blocked(self, request: Request) -> bool:
+        """Whether admitting ``request`` would put more than ``max_loras`` distinct LoRA
+        adapters among the running requests."""
+        lora = request.lora_request
+        if lora is None:
+            return False
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id not in running and len(running) >= self.max_loras
 
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         """The request's share of the step, as plain data (see :mod:`.batch`)."""
@@ -447,6 +494,7 @@ class Scheduler(Lifecycle):
                 tuple(request.prompt_token_ids),
                 tuple(request.output_token_ids),
                 request.eos_token_ids,
+                request.lora_request,
             )
         blocks_from, blocks = self.kv.table_delta(rid, whole=setup is not None)
         forks = ()
@@ -472,6 +520,24 @@ class Scheduler(Lifecycle):
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
             len(request.prompt_token_ids),
         )
+
+    def _preemption_mode(self, request: Request) -> str:
+        """``"swap"`` or ``"recompute"`` for a victim: the engine's mode, unless the
+        policy's optional ``preemption_mode(victim)`` names one. A pooling request always
+        recomputes (its pooler's per-row state does not survive the row)."""
+        if request.pooling_params is not None:
+            return "recompute"
+        mode = self.preemption_mode
+        if self._optional("preemption_mode") is not None:
+            answer = self._call("preemption_mode", request.view)
+            if answer is _FAILED:
+                return "recompute"
+            if answer is not None:
+                if answer not in ("swap", "recompute"):
+                    self._bad_answer("preemption_mode", answer, "'swap', 'recompute' or None")
+                    return "recompute"
+                mode = answer
+        return mode
 
     # -- user policy calls -------------------------------------------------------------
 

@@ -5,7 +5,8 @@
 with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (with
 ``enable_tokenizer_info_endpoint``), ``GET /health``, ``GET /version``, ``GET /metrics``
 (Prometheus); for a pooling engine (``--runner pooling``) ``POST /v1/embeddings``,
-``/pooling``, ``/score``, ``/rerank`` (:mod:`llmlab.server.pooling`, its own router).
+``/pooling``, ``/score``, ``/rerank`` (:mod:`llmlab.server.pooling`, its own router);
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (:mod:`llmlab.server.lora`).
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
@@ -42,6 +43,8 @@ from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError, ClientDisconnected, bad_request
+from llmlab.server.lora import router as lora_router
+from llmlab.server.lora import serve_lora_modules
 from llmlab.server.metrics import DataParallelMetrics, EngineMetrics
 from llmlab.server.pooling import KEYED_PATHS as _POOLING_PATHS
 from llmlab.server.pooling import refuse_generation
@@ -82,6 +85,7 @@ def build_app(
     root_path: str | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser=None,
+    lora_modules: Sequence[Any] = (),
 ):
     """The FastAPI app serving ``engine``.
 
@@ -109,6 +113,9 @@ def build_app(
     (the default with tools), whose calls the parser finds in the model's text; the parser
     is a registered ``tool_parser`` name (``"hermes"``), a ``"module:Class"`` path or a
     class, checked here (:mod:`llmlab.server.tool_parsers`). Without them "auto" is a 400.
+    ``lora_modules``: LoRA adapters to serve by name (``"name=path"``, vLLM's JSON form, or
+    :class:`~llmlab.server.lora.LoRAModulePath`); they and ``/v1/load_lora_adapter`` need
+    an engine with ``enable_lora`` (:mod:`llmlab.server.lora`).
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -134,6 +141,7 @@ def build_app(
                             return_tokens_as_token_ids=return_tokens_as_token_ids,
                             response_role=response_role,
                             tool_parser=parser if enable_auto_tool_choice else None)
+    serving.lora = serve_lora_modules(engine.engine, names, lora_modules)
     if isinstance(engine.engine, DataParallelEngine):
         # Series per replica (engine="0", ...) and for all of them (engine="all").
         dp = engine.engine
@@ -195,6 +203,7 @@ def build_app(
     # /v1/embeddings, /pooling, /score, /rerank (llmlab.server.pooling): a 400 on a
     # generating engine, as vLLM answers.
     app.include_router(pooling_router)
+    app.include_router(lora_router, dependencies=[Depends(_bearer)] if api_key else [])
     if enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"],
                           response_model=p.TokenizerInfoResponse, responses=_PLAIN_ERRORS)

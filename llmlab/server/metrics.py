@@ -72,9 +72,19 @@ class _Families:
             "prefix_cache_queries", "Tokens looked up in the prefix cache at admission."
         )
         self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Tokens found in the prefix cache at admission."
+            "prefix_cache_hits", "Tokens found in the device prefix cache at admission."
         )
-        self.num_preemptions = counter("num_preemptions", "Preemptions (KV dropped, recomputed).")
+        # vLLM's names for a KV connector's (here: the offload tier's) prefix cache.
+        self.external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries",
+            "Tokens looked up in the KV offload tier (past the device prefix-cache hit).",
+        )
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Tokens found in the KV offload tier and loaded back."
+        )
+        self.num_preemptions = counter(
+            "num_preemptions", "Preemptions (KV dropped and recomputed, or swapped out)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter(
@@ -117,6 +127,7 @@ class _Series:
 
     _SIMPLE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+               "external_prefix_cache_queries", "external_prefix_cache_hits",
                "prompt_tokens", "generation_tokens", "time_to_first_token",
                "inter_token_latency", "e2e_request_latency", "request_queue_time",
                "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
@@ -142,8 +153,14 @@ class _Series:
         if event.preempted:
             self.num_preemptions.inc(len(event.preempted))
         for admission in event.admitted:
+            device_hits = admission.num_cached_tokens - admission.num_offloaded_tokens
             self.prefix_cache_queries.inc(admission.num_queried_tokens)
-            self.prefix_cache_hits.inc(admission.num_cached_tokens)
+            self.prefix_cache_hits.inc(device_hits)
+            if event.num_offload_blocks:
+                self.external_prefix_cache_queries.inc(
+                    max(0, admission.num_queried_tokens - device_hits)
+                )
+                self.external_prefix_cache_hits.inc(admission.num_offloaded_tokens)
             if not admission.resumed and admission.request_id not in self._tracked:
                 self._tracked[admission.request_id] = _Tracked(
                     admission.arrival_time, admission.num_prompt_tokens

@@ -93,6 +93,8 @@ class OpenAIServing:
     return_tokens_as_token_ids: bool = False
     response_role: str = "assistant"
     tool_parser: Callable[[], Any] | None = None
+    # The LoRA adapters served by name (llmlab.server.lora.LoRAAdapters), or None.
+    lora: Any = None
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _processes: TemplateProcesses | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -118,7 +120,7 @@ class OpenAIServing:
             check_encodable("model", model)
         except ValueError as err:
             raise APIError(str(err), param="model") from None
-        if model not in self.model_names:
+        if model not in self.model_names and (self.lora is None or self.lora.get(model) is None):
             raise APIError(
                 f"The model `{model}` does not exist; this server serves "
                 f"{', '.join(repr(n) for n in self.model_names)}",
@@ -171,7 +173,7 @@ class OpenAIServing:
                 p.ModelCard(id=name, created=created, root=self.model_names[0],
                             max_model_len=self.max_model_len)
                 for name in self.model_names
-            ]
+            ] + ([] if self.lora is None else self.lora.cards(created, self.max_model_len))
         )
 
     # -- completions ---------------------------------------------------------------------
@@ -503,6 +505,9 @@ class OpenAIServing:
     async def _add_all(self, prompts: list[_Prompt], params_list, request) -> list[RequestStream]:
         base = p.random_id("req")
         streams: list[RequestStream] = []
+        # A request whose model names a served LoRA adapter runs with it.
+        lora = None if self.lora is None else self.lora.get(request.model)
+        extra = {} if lora is None else {"lora_request": lora}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 engine_prompt = {"prompt_token_ids": prompt.token_ids}
@@ -510,7 +515,7 @@ class OpenAIServing:
                     engine_prompt["prompt"] = prompt.text
                 streams.append(await self.engine.add_request(
                     f"{base}-{i}", engine_prompt, params,
-                    priority=request.priority, user=request.user,
+                    priority=request.priority, user=request.user, **extra,
                 ))
         except (ValueError, TypeError) as err:
             for stream in streams:

@@ -12,6 +12,10 @@ this executor differs from the real one. For each batch it
    rates, so the scheduler sees the same accepted-token accounting, KV reservations and
    rollbacks as with a real drafter.
 
+A batch's ``kv_transfers`` (swap preemption, the KV offload tier) are accepted and not
+charged: the simulator builds engines without host pools, and its cost models do not price
+block copies yet.
+
 Placeholder tokens are a cheap deterministic function of the request's row, position and
 last token, so parallel samples diverge after they fork (as sampled ones do) and a run
 is reproducible bit for bit. They are not a model's outputs: prefix sharing in a

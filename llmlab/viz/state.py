@@ -47,6 +47,10 @@ class Frame:
         requests: request ids by index; an id keeps its index (and so its color) for the
             whole run.
         num_running / num_waiting: queue lengths after the step.
+        num_offload_blocks / offload_cached: the prefix cache's second tier (host memory
+            or disk): its size and how many of its blocks hold content (0 / 0: none).
+        num_swap_blocks / swap_used: the swap space of preempted requests and how many of
+            its blocks hold swapped KV (0 / 0: none).
     """
 
     step_index: int
@@ -60,6 +64,10 @@ class Frame:
     requests: tuple[str, ...]
     num_running: int = 0
     num_waiting: int = 0
+    num_offload_blocks: int = 0
+    offload_cached: int = 0
+    num_swap_blocks: int = 0
+    swap_used: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -115,6 +123,7 @@ class Frame:
             and _array_eq(self.refs, other.refs)
             and _array_eq(self.tokens, other.tokens)
             and _array_eq(self.indexed, other.indexed)
+            and (self.offload_cached, self.swap_used) == (other.offload_cached, other.swap_used)
             # Compare owners by id: two views may have met requests in a different order.
             and self.owner_ids() == other.owner_ids()
         )
@@ -150,6 +159,11 @@ class KVCacheState:
         self._apply_tables(snapshot.kv.block_tables.items())
         self._refill(snapshot.kv.block_tables)
         self.tokens[(self.refs == 0) & self.indexed] = self.block_size
+        # The host tiers: which second-tier blocks hold content; swap space in use.
+        self.offload_indexed = np.zeros(snapshot.num_offload_blocks, bool)
+        self.offload_indexed[list(snapshot.offload_cached)] = True
+        self.num_swap_blocks = snapshot.num_swap_blocks
+        self.swap_used = snapshot.num_swap_blocks_used
 
     # -- applying events ---------------------------------------------------------------
 
@@ -175,6 +189,11 @@ class KVCacheState:
         self.time_s = event.end_time_s
         self.num_running = event.num_running
         self.num_waiting = event.num_waiting
+        if event.offload_blocks_evicted:
+            self.offload_indexed[list(event.offload_blocks_evicted)] = False
+        if event.blocks_spilled:
+            self.offload_indexed[[tier for _, tier in event.blocks_spilled]] = True
+        self.swap_used = event.num_swap_blocks_used
 
     def _apply_tables(self, tables: Iterable[tuple[str, tuple[int, ...]]]) -> set[str]:
         """Swap each request's old table for its new one; return the requests to refill."""
@@ -251,6 +270,10 @@ class KVCacheState:
             requests=tuple(self.requests),
             num_running=self.num_running,
             num_waiting=self.num_waiting,
+            num_offload_blocks=int(self.offload_indexed.shape[0]),
+            offload_cached=int(np.count_nonzero(self.offload_indexed)),
+            num_swap_blocks=self.num_swap_blocks,
+            swap_used=self.swap_used,
         )
         for array in (frame.state, frame.owner, frame.refs, frame.tokens, frame.indexed):
             array.flags.writeable = False

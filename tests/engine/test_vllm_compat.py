@@ -35,7 +35,7 @@ def test_seed_none_and_harmless_vllm_keywords_are_accepted(tiny_llama, tmp_path)
     "kwargs, match",
     [
         (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported"),
-        (dict(quantization="awq"), "quantization='awq' is not supported"),
+        (dict(quantization="awq"), "quantization must be one of 'int8', 'fp8', got 'awq'"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
         (dict(tokenizer_mode="mistral"), "tokenizer_mode"),
     ],

@@ -141,6 +141,7 @@ class KVCacheView(_View):
             )
         out.append("</div>")
         out.append(self._legend_html(frame, cells.blocks_per_cell))
+        out.append(_host_tiers_html(frame))
         out.append("</div>")
         return "".join(out)
 
@@ -219,7 +220,8 @@ class KVCacheView(_View):
         ax.set_title(
             f"KV cache after step {frame.step_index}\n{frame.num_in_use}/{frame.num_blocks} "
             f"blocks in use, {counts['shared']} shared, {counts['cached']} cached free"
-            + (f", {cells.blocks_per_cell} blocks per cell" if cells.blocks_per_cell > 1 else ""),
+            + (f", {cells.blocks_per_cell} blocks per cell" if cells.blocks_per_cell > 1 else "")
+            + "".join(f"\n{line}" for line in _host_tier_lines(frame)),
             fontsize="small",
             loc="left",
         )
@@ -233,6 +235,38 @@ class KVCacheView(_View):
         ]
         fig.legend(handles=handles, loc="outside right upper", fontsize="small", frameon=False)
         return fig
+
+
+def _host_tier_lines(frame: Frame) -> list[str]:
+    """One line per host pool the engine has: the second tier, the swap space."""
+    lines = []
+    if frame.num_offload_blocks:
+        lines.append(
+            f"offload tier: {frame.offload_cached}/{frame.num_offload_blocks} blocks cached"
+        )
+    if frame.num_swap_blocks:
+        lines.append(f"swap space: {frame.swap_used}/{frame.num_swap_blocks} blocks used")
+    return lines
+
+
+def _host_tiers_html(frame: Frame) -> str:
+    """The host pools as filled bars under the grid (nothing without host pools)."""
+    bars = []
+    for line, filled, total, color in (
+        ("offload tier", frame.offload_cached, frame.num_offload_blocks, CACHED_COLOR),
+        ("swap space", frame.swap_used, frame.num_swap_blocks, PALETTE[0]),
+    ):
+        if not total:
+            continue
+        pct = 100 * filled / total
+        bars.append(
+            f'<div class="llmlab-kv-tier" style="margin-top:3px">'
+            f'<span style="display:inline-block;width:220px;height:10px;'
+            f'vertical-align:middle;background:linear-gradient(to right,{color} {pct:.1f}%,'
+            f'{EMPTY_COLOR} {pct:.1f}%);border:1px solid #ccc"></span> {line}: '
+            f"{filled}/{total} blocks {'cached' if line == 'offload tier' else 'used'}</div>"
+        )
+    return "".join(bars)
 
 
 class _Cells:

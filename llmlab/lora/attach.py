@@ -1,0 +1,75 @@
+"""``attach_lora``: give a loaded model LoRA slots (the engine builder's one call)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from llmlab.lora.layer import wrap_linears
+from llmlab.lora.slots import LoRASlots
+from llmlab.lora.store import AdapterStore
+from llmlab.lora.targets import LoRATargets
+
+KERNELS = ("torch", "triton")
+
+
+def attach_lora(
+    model: nn.Module,
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    max_num_seqs: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    base_model_names: Iterable[str] = (),
+    kernel: str | None = None,
+) -> LoRASlots:
+    """Wrap the model's target linears (after loading, quantization and prepacking: any
+    module with ``in_features``, ``out_features`` and ``forward``) and return the runner's
+    :class:`LoRASlots`, whose ``store`` input processing shares. ``kernel``: ``"triton"``
+    (CUDA's default) or ``"torch"``."""
+    targets = LoRATargets.of(model)
+    kernel = kernel or ("triton" if device.type == "cuda" else "torch")
+    if kernel not in KERNELS:
+        raise ValueError(f"LoRA kernel must be one of {KERNELS}, got {kernel!r}")
+    store = AdapterStore(
+        targets, max_lora_rank, max_cpu_loras or max_loras, dtype, set(base_model_names)
+    )
+    context, modules = wrap_linears(
+        model, targets.targets, max_loras, max_lora_rank, dtype, device
+    )
+    return LoRASlots(store, modules, context, max_loras, max_num_seqs, device, kernel)
+
+
+def check_lora_settings(config, *, pooling: bool, model_class: type | None) -> None:
+    """Refuse, before anything loads, what ``enable_lora`` cannot run with (``ValueError``
+    naming the setting): tensor or data parallelism, a pooling runner, an architecture
+    outside the Llama family. Speculative decoding, beam search, parallel samples and CUDA
+    graphs work with it (steps with adapters run eagerly)."""
+    if not config.enable_lora:
+        return
+    from llmlab.models.llama import LlamaForCausalLM
+
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"enable_lora=True is not supported with tensor_parallel_size="
+            f"{config.tensor_parallel_size} (adapter slots are not sharded); use 1"
+        )
+    if config.data_parallel_size > 1:
+        raise ValueError(
+            f"enable_lora=True is not supported with data_parallel_size="
+            f"{config.data_parallel_size} (replicas do not share adapters); use 1"
+        )
+    if pooling:
+        raise ValueError(
+            "enable_lora=True is not supported with runner='pooling'; LoRA adapters apply "
+            "to text generation"
+        )
+    if model_class is not None and not issubclass(model_class, LlamaForCausalLM):
+        raise ValueError(
+            f"enable_lora=True supports the Llama family (Llama, Mistral, Qwen2, Qwen3); "
+            f"this model is {model_class.__name__}"
+        )
