@@ -162,7 +162,12 @@ def _adapters(request: Request) -> LoRAAdapters:
 
 
 Adapters = Annotated[LoRAAdapters, Depends(_adapters)]
-_ERRORS = {
+# Success is plain text (vLLM's); the errors are JSON. Declared per status, so the OpenAPI
+# schema names the media type each one really has (response_class=PlainTextResponse would
+# document the JSON errors as text/plain too).
+_RESPONSES = {
+    200: {"description": "Success message",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
     400: {"model": p.ErrorResponse, "description": "Already loaded, or cannot run"},
     404: {"model": p.ErrorResponse, "description": "No such adapter"},
 }
@@ -171,14 +176,14 @@ _ERRORS = {
 router = APIRouter(prefix="/v1")
 
 
-@router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+@router.post("/load_lora_adapter", responses=_RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, adapters: Adapters):
     # Reading and checking the files runs off the event loop.
     await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+@router.post("/unload_lora_adapter", responses=_RESPONSES)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, adapters: Adapters):
     adapters.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
