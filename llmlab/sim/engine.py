@@ -81,6 +81,7 @@ def sim_engine(
         )
     shape, name, max_len = _model(model)
     cfg = EngineConfig(model=name, skip_tokenizer_init=True, **settings)
+    _refuse_unmodelled(cfg)
     if max_len is None and cfg.max_model_len is None:
         raise ValueError("a ModelShape has no context limit: pass max_model_len")
     max_model_len = max_len if cfg.max_model_len is None else cfg.max_model_len
@@ -184,4 +185,22 @@ def _num_blocks(cfg, shape: ModelShape, max_model_len: int, hw: Hardware | None,
             "lower max_model_len"
         )
     return int(num_blocks)
+
+
+def _refuse_unmodelled(cfg: EngineConfig) -> None:
+    """``ValueError`` naming a setting the simulator would otherwise ignore silently: its
+    cost model prices neither adapters nor quantized weights, and its executor moves no KV
+    between tiers (it has no host pools)."""
+    unmodelled = {
+        "enable_lora": cfg.enable_lora,
+        "quantization": cfg.quantization is not None,
+        "preemption_mode": cfg.preemption_mode == "swap",
+        "kv_offloading_size": bool(cfg.kv_offloading_size),
+    }
+    named = [f"{field}={getattr(cfg, field)!r}" for field, on in unmodelled.items() if on]
+    if named:
+        raise ValueError(
+            f"the simulator does not model {', '.join(named)} (no LoRA or quantized-weight "
+            "costs, no host KV pools); leave them at their defaults in sim_engine"
+        )
 

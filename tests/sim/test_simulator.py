@@ -191,6 +191,16 @@ def test_speculation_with_a_drafter_is_refused_in_simulation(tiny_llama):
                                                    "num_speculative_tokens": 2})
 
 
+@pytest.mark.parametrize("setting", [
+    {"enable_lora": True}, {"quantization": "int8"}, {"preemption_mode": "swap"},
+    {"kv_offloading_size": 0.5},
+])
+def test_settings_the_simulator_does_not_model_are_refused_naming_them(tiny_llama, setting):
+    (field, value), = setting.items()
+    with pytest.raises(ValueError, match=f"does not model {field}={value!r}"):
+        sim_engine(tiny_llama, **setting)
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "1 ms", None])
 def test_a_cost_model_answering_a_bad_time_is_refused_naming_it(tiny_llama, bad):
     @attrs.define
