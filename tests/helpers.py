@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import torch
@@ -47,3 +48,9 @@ def builtin_names(kind: str) -> list[str]:
         name for name in registry.available(kind)
         if registry.resolve(kind, name).__module__.startswith("llmlab.")
     ]
+
+
+def run(coro, timeout=60):
+    """Run a coroutine to completion on a fresh event loop, failing after ``timeout`` s."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+

@@ -312,22 +312,24 @@ class InputProcessor:
         """The request, or its ``best_of`` parallel samples (the first one leads; a
         sample's id is ``f"{index}_{request_id}"``)."""
         request_id, params = prepared.request_id, prepared.params
+        # What every request of this prompt carries, pooling or sampled.
+        common = dict(
+            arrival_time=prepared.arrival_time, priority=prepared.priority,
+            user=prepared.user, prompt=prepared.prompt,
+        )
         if isinstance(params, PoolingParams):
             return [Request(
                 request_id=request_id,
                 prompt_token_ids=list(prepared.prompt_token_ids),
                 sampling_params=_POOLING_SAMPLING,
-                arrival_time=prepared.arrival_time,
-                priority=prepared.priority,
-                user=prepared.user,
-                prompt=prepared.prompt,
                 pooling_params=params,
                 pools_all_positions=self.pooling.uses_all_positions,
+                **common,
             )]
         num = params.num_samples
         ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
-        arrival = prepared.arrival_time
         group = SampleGroup(request_id, params.n) if num > 1 else None
+        lora = prepared.lora_request
         members = []
         for index, rid in enumerate(ids):
             own = params
@@ -340,18 +342,12 @@ class InputProcessor:
                     request_id=rid,
                     prompt_token_ids=list(prepared.prompt_token_ids),
                     sampling_params=own,
-                    arrival_time=arrival,
-                    priority=prepared.priority,
-                    user=prepared.user,
-                    prompt=prepared.prompt,
                     eos_token_ids=self.eos_token_ids,
                     group=group,
                     index=index,
-                    lora_request=prepared.lora_request,
-                    hash_salt=(
-                        None if prepared.lora_request is None
-                        else prepared.lora_request.hash_salt
-                    ),
+                    lora_request=lora,
+                    hash_salt=None if lora is None else lora.hash_salt,
+                    **common,
                 )
             )
             if params.prompt_logprobs is not None:

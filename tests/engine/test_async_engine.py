@@ -10,19 +10,9 @@ from llmlab import LLM, SamplingParams
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.sampling.params import RequestOutputKind
+from tests.helpers import run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture
-def engine(tiny_llama):
-    eng = AsyncEngine.from_settings(tiny_llama, dtype="float32")
-    yield eng
-    eng.shutdown()
-
-
-def run(coro, timeout=60):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def test_generate_streams_what_llm_generate_returns(engine, tiny_llama):

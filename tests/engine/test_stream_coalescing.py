@@ -7,24 +7,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
-
 from llmlab import SamplingParams
-from llmlab.engine.async_engine import AsyncEngine
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.sampling.logprobs import Logprob
 from llmlab.sampling.params import RequestOutputKind
-
-
-@pytest.fixture
-def engine(tiny_llama):
-    eng = AsyncEngine.from_settings(tiny_llama, dtype="float32")
-    yield eng
-    eng.shutdown()
-
-
-def run(coro, timeout=60):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
+from tests.helpers import run
 
 
 def _params(kind: RequestOutputKind, **kwargs) -> SamplingParams:
