@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from typing import Any
 
 import attrs
 import torch
@@ -87,6 +88,33 @@ def _positive(field: str, *, allow_none: bool = False):
 
 def _flag(field: str):
     return functools.partial(as_bool, field)
+
+
+def _kv_press(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if value is None or isinstance(value, str):
+        return
+    if not callable(getattr(value, "score", None)):
+        raise ValueError(
+            f"kv_press must be a registered name, 'package.module:Class', or a press with a "
+            f"score(layer) method, got {value!r}"
+        )
+
+
+def _kv_press_config(value: object) -> dict | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"kv_press_config is not a JSON object: {err}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(
+            f"kv_press_config must be a dict of the press's keyword arguments, got {value!r}"
+        )
+    return dict(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -213,6 +241,13 @@ class EngineConfig:
         kv_offloading_eviction_policy: the second tier's eviction policy, by registered
             name (``"lru"``, ``"arc"``, ``"s3fifo"``, ...); the engine builder also takes
             an instance.
+        kv_press: a KV press (:mod:`llmlab.kvpress`): a registered name (``"snapkv"``,
+            ``"streaming_llm"``, ``"knorm"``, ...), ``"package.module:Class"``, or an
+            instance. Each request's KV is compacted after its prompt (and every
+            ``compress_every`` decode steps) to the tokens the press keeps. None: off.
+        kv_press_config: keyword arguments for the press (``compression_ratio``,
+            ``compress_every`` and its own fields, e.g. ``{"window": 64}``); a JSON
+            object on the command line.
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -333,6 +368,8 @@ class EngineConfig:
             as_str, "kv_offloading_eviction_policy", allow_empty=False
         ),
     )
+    kv_press: Any = attrs.field(default=None, validator=_kv_press)
+    kv_press_config: dict | None = attrs.field(default=None, converter=_kv_press_config)
     tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
     data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
     distributed_executor_backend: str | None = attrs.field(

@@ -20,7 +20,8 @@ Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``samp
 ``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`),
 ``pooler`` (one request's hidden states -> one vector: :mod:`llmlab.pooling`),
 ``tool_parser`` (tool calls in a model's text, for the server's ``tool_choice="auto"``:
-:mod:`llmlab.server.tool_parsers`) and ``model``. The registry maps names to *factories*
+:mod:`llmlab.server.tool_parsers`), ``kv_press`` (which cached tokens a request keeps:
+:mod:`llmlab.kvpress`) and ``model``. The registry maps names to *factories*
 (usually classes) called with no arguments; each engine gets fresh instances, so no state
 is shared between engines. Models
 are the exception: a ``model`` name is a Hugging Face architecture (``config.json``'s
@@ -47,6 +48,7 @@ KINDS: dict[str, str] = {
     "router": "llmlab.routing",
     "pooler": "llmlab.pooling.pooler",
     "tool_parser": "llmlab.server.tool_parsers",
+    "kv_press": "llmlab.kvpress",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -101,6 +103,9 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
     ),
     "tool_parser": (
         Method("extract", ("text", "tools"), returns="tuple[str | None, list[ParsedCall]]"),
+    ),
+    "kv_press": (
+        Method("score", ("layer",), returns="Tensor"),
     ),
     "model": (
         Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),

@@ -66,6 +66,10 @@ class AttentionInputs:
         rows: the scheduler row of each sequence (stable while the request is admitted).
         state: the backend's per-engine state from ``create_state`` (None if it keeps
             none, or in a profiling pass that must not touch it).
+        layer_shift: ``[num_layers, num_seqs]`` ints, or None: how many fewer cached
+            tokens layer ``l`` holds of sequence ``i`` than ``seq_lens`` says (a KV press
+            with per-layer budgets). Backends never read it: the model runner builds one
+            metadata per distinct layer from :meth:`shifted`.
     """
 
     query_lens: list[int]
@@ -76,6 +80,23 @@ class AttentionInputs:
     device: torch.device
     rows: tuple[int, ...] = ()
     state: Any = None
+    layer_shift: Any = None
+
+    def shifted(self, shift: np.ndarray) -> AttentionInputs:
+        """The same batch for a layer holding ``shift[i]`` fewer tokens of sequence ``i``:
+        shorter contexts, and the new tokens written that many slots earlier. Without the
+        backend's per-engine state (a per-row copy of the KV would be per layer too)."""
+        query_lens = np.asarray(self.query_lens, dtype=np.int64)
+        seq_lens = np.asarray(self.seq_lens, dtype=np.int64) - shift
+        seq = np.repeat(np.arange(len(query_lens)), query_lens)
+        first = np.cumsum(query_lens) - query_lens
+        pos = seq_lens[seq] - query_lens[seq] + np.arange(len(seq)) - first[seq]
+        tables = self.block_tables.numpy()
+        slots = torch.from_numpy(token_slots(tables, seq, pos, self.block_size))
+        return attrs.evolve(
+            self, seq_lens=seq_lens.tolist(), slot_mapping=slots.to(self.slot_mapping.device),
+            state=None, layer_shift=None,
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -109,6 +130,10 @@ class AttentionBackend(Protocol):
       and then written (fork, truncate).
     * ``check_device(device)`` / ``check_dtype(dtype)``: raise ``ValueError`` saying why the
       backend cannot run there; the builder calls them before loading any weights.
+    * ``gather_slots(kv_cache, slots, block_size) -> (keys, values)`` and
+      ``scatter_slots(kv_cache, slots, keys, values, block_size)``: read / write one
+      layer's tokens at flat ``slots`` (``[n]``, or ``[num_kv_heads, n]`` per head) as
+      ``[num_kv_heads, n, head_dim]``; required only by KV presses (:mod:`llmlab.kvpress`).
     """
 
     name: str
@@ -135,11 +160,19 @@ class AttentionBackend(Protocol):
 
 @attrs.frozen
 class AttentionContext:
-    """What a model's forward pass needs for attention in one step."""
+    """What a model's forward pass needs for attention in one step.
+
+    ``layer_metadata``: per layer, the metadata that layer reads, when layers hold
+    different numbers of a sequence's tokens (a KV press with per-layer budgets); None:
+    every layer reads ``metadata``. ``capture``: called with each layer's queries as
+    ``capture(layer_idx, q, scale)`` (a KV press keeps some), or None.
+    """
 
     backend: AttentionBackend
     metadata: Any
     kv_caches: list[torch.Tensor]
+    layer_metadata: tuple[Any, ...] | None = None
+    capture: Any = None
 
     def attend(
         self,
@@ -152,13 +185,16 @@ class AttentionContext:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Store this layer's new K/V and return attention output shaped like ``q``."""
+        if self.capture is not None:
+            self.capture(layer_idx, q, scale)
+        layers = self.layer_metadata
         return self.backend.forward(
             layer_idx,
             q,
             k,
             v,
             self.kv_caches[layer_idx],
-            self.metadata,
+            self.metadata if layers is None else layers[layer_idx],
             scale=scale,
             sliding_window=sliding_window,
         )

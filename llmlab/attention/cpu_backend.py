@@ -57,6 +57,18 @@ def from_slot_rows(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack([keys, values]).contiguous()
 
 
+def _slot_views(kv_cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """Views of one layer's keys ``[heads, blocks, head_dim, block_size]`` (stored
+    transposed) and values ``[heads, blocks, block_size, head_dim]``, and the (head, block,
+    offset) index of each slot."""
+    heads, blocks, cells = kv_cache.shape[1:]
+    head_dim = cells // block_size
+    keys = kv_cache[0].view(heads, blocks, head_dim, block_size)
+    values = kv_cache[1].view(heads, blocks, block_size, head_dim)
+    slots = slots if slots.dim() == 2 else slots[None, :].expand(heads, -1)
+    return keys, values, torch.arange(heads)[:, None], slots // block_size, slots % block_size
+
+
 @attrs.define(eq=False)
 class CpuAttentionMetadata:
     """One step's batch as the kernel reads it (the tensors stay referenced here for as
@@ -105,6 +117,19 @@ class CpuPagedAttention:
         dst = torch.tensor([d for _, d in copies])
         for cache in kv_caches:
             cache.index_copy_(2, dst, cache.index_select(2, src))
+
+    def gather_slots(self, kv_cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+        """One layer's keys and values ``[num_kv_heads, n, head_dim]`` at flat ``slots``
+        (``[n]``, or ``[num_kv_heads, n]`` per head): KV presses read them."""
+        keys, values, heads, blocks, offsets = _slot_views(kv_cache, slots, block_size)
+        # Advanced indices around a slice: the indexed dims come first, then head_dim.
+        return keys[heads, blocks, :, offsets], values[heads, blocks, offsets]
+
+    def scatter_slots(self, kv_cache, slots, keys, values, block_size: int) -> None:
+        """Write ``[num_kv_heads, n, head_dim]`` keys and values to flat ``slots``."""
+        key_view, value_view, heads, blocks, offsets = _slot_views(kv_cache, slots, block_size)
+        key_view[heads, blocks, :, offsets] = keys.to(kv_cache.dtype)
+        value_view[heads, blocks, offsets] = values.to(kv_cache.dtype)
 
     def build_metadata(self, inputs: AttentionInputs) -> CpuAttentionMetadata:
         kernels = cpu_kernels.load()

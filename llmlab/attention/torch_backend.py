@@ -51,6 +51,28 @@ def copy_kv_blocks(
         cache.index_copy_(2, dst_slots, cache.index_select(2, src_slots))
 
 
+def gather_kv_slots(
+    kv_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[num_kv_heads, n, head_dim]`` of one layer's flat ``slots``
+    (``[n]``, or ``[num_kv_heads, n]`` per head) in the :func:`paged_kv_shape` layout."""
+    if slots.dim() == 1:
+        return kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
+    heads = torch.arange(kv_cache.shape[1], device=slots.device)[:, None]
+    return kv_cache[0][heads, slots], kv_cache[1][heads, slots]
+
+
+def scatter_kv_slots(
+    kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Write ``keys`` and ``values`` (``[num_kv_heads, n, head_dim]``) to one layer's flat
+    ``slots`` (``[n]`` for every head, or ``[num_kv_heads, n]``)."""
+    heads = torch.arange(kv_cache.shape[1], device=slots.device)[:, None]
+    slots = slots if slots.dim() == 2 else slots[None, :]
+    kv_cache[0][heads, slots] = keys.to(kv_cache.dtype)
+    kv_cache[1][heads, slots] = values.to(kv_cache.dtype)
+
+
 @attrs.frozen
 class _Group:
     is_decode: bool
@@ -196,6 +218,14 @@ class TorchPagedAttention:
     ) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (keys and values)."""
         copy_kv_blocks(kv_caches, copies, block_size)
+
+    def gather_slots(self, kv_cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+        """One layer's keys and values at flat ``slots`` (KV presses read them)."""
+        return gather_kv_slots(kv_cache, slots)
+
+    def scatter_slots(self, kv_cache, slots, keys, values, block_size: int) -> None:
+        """Write keys and values to flat ``slots`` (a KV press's compaction)."""
+        scatter_kv_slots(kv_cache, slots, keys, values)
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         query_start = [0]

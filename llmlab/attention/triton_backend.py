@@ -26,7 +26,12 @@ import numpy as np
 import torch
 
 from llmlab.attention.backend import AttentionInputs
-from llmlab.attention.torch_backend import copy_kv_blocks, paged_kv_shape
+from llmlab.attention.torch_backend import (
+    copy_kv_blocks,
+    gather_kv_slots,
+    paged_kv_shape,
+    scatter_kv_slots,
+)
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -122,6 +127,14 @@ class TritonPagedAttention:
         self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]], block_size: int
     ) -> None:
         copy_kv_blocks(kv_caches, copies, block_size)
+
+    def gather_slots(self, kv_cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+        """One layer's keys and values at flat ``slots`` (the torch backend's layout)."""
+        return gather_kv_slots(kv_cache, slots)
+
+    def scatter_slots(self, kv_cache, slots, keys, values, block_size: int) -> None:
+        """Write keys and values to flat ``slots`` (a KV press's compaction)."""
+        scatter_kv_slots(kv_cache, slots, keys, values)
 
     def check_device(self, device: torch.device) -> None:
         """Raise ``ValueError`` when the kernels cannot run on ``device``."""

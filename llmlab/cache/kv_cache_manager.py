@@ -130,6 +130,9 @@ class KVCacheManager:
     # (reported through take_errors; the pools are consistent).
     _errors: list[Exception] = attrs.field(init=False, factory=list, repr=False)
     _spilling: bool = attrs.field(init=False, default=True, repr=False)
+    # Fresh blocks reserved for a KV press's compaction in flight, per request
+    # (llmlab.kvpress): they replace its table if the executor compacts it, else go back.
+    _compacting: dict[str, list[int]] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
@@ -236,7 +239,7 @@ class KVCacheManager:
             # The common decode case, checked first because it runs for every running
             # request every step: the new tokens land in the last held block, which this
             # request alone holds and which is not in the prefix index. Nothing to do.
-            write_start = request.num_computed_tokens
+            write_start = request.num_cached_kv
             last = len(table) - 1
             if (
                 write_start // self.block_size == last
@@ -255,7 +258,7 @@ class KVCacheManager:
         num_hit = len(prefix) + len(loads)
         # ``num_computed_tokens`` does not yet include the prefix hit (the scheduler
         # advances it only once the allocation succeeded).
-        write_start = request.num_computed_tokens + num_hit * self.block_size
+        write_start = request.num_cached_kv + num_hit * self.block_size
         write_end = write_start + num_new_tokens
         num_fresh = max(0, self.blocks_needed(write_end) - len(table) - num_hit)
         to_copy, to_uncache = self._blocks_written_in_place(table, write_start, write_end)
@@ -306,8 +309,9 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Index the request's blocks that became full of computed KV."""
-        if not self.enable_prefix_caching:
+        """Index the request's blocks that became full of computed KV (never a compacted
+        request's: its blocks hold a selection of its tokens, not a prefix)."""
+        if not self.enable_prefix_caching or request.kv_compressed:
             return
         rid = request.request_id
         table = self._tables.get(rid)
@@ -347,6 +351,7 @@ class KVCacheManager:
         if self.swap is not None and self.swap.holds(request.request_id):
             self.swap.give_back(request.request_id)  # aborted while swapped out
         self._free_device(request)
+        self.cancel_compaction(request)
 
     def _free_device(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
@@ -411,6 +416,57 @@ class KVCacheManager:
             self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
         child.block_hashes = list(parent.block_hashes)
 
+    # -- KV press compaction (llmlab.kvpress) ---------------------------------------------
+
+    def begin_compaction(self, request: Request, num_blocks: int) -> tuple[int, ...] | None:
+        """Reserve ``num_blocks`` fresh blocks for the request's kept tokens (the executor
+        moves them there after this step's forward). None when the pool has too few free
+        blocks now (nothing reserved; try again later). Fresh blocks, never the request's
+        own: those may be shared with other requests or indexed as full-fidelity prefixes,
+        and stay valid until :meth:`commit_compaction`."""
+        rid = request.request_id
+        if rid in self._compacting:
+            raise ValueError(f"request {rid!r} already has a compaction in flight")
+        if num_blocks < 1 or num_blocks > self.pool.num_free_blocks:
+            return None
+        ids = self.pool.allocate(num_blocks)[0]
+        self._compacting[rid] = list(ids)
+        self._log["allocated"].extend(ids)
+        return tuple(ids)
+
+    def commit_compaction(self, request: Request) -> None:
+        """The executor compacted the request into its reserved blocks: they become its
+        table, and its old blocks are released (indexed full blocks stay in the prefix
+        cache: their KV was computed before compaction and is exact). The request's
+        blocks are never indexed from now on (``request.kv_compressed``)."""
+        rid = request.request_id
+        targets = self._compacting.pop(rid)
+        old = self._tables.get(rid, [])
+        self._tables[rid] = targets
+        self._num_indexed.pop(rid, None)
+        self._changed(rid, 0)
+        self._touched[rid] = None
+        if old:
+            self._release(old[::-1])
+
+    def cancel_compaction(self, request: Request) -> None:
+        """Give back the blocks reserved for a compaction that did not happen (the press
+        failed, the step failed, or the request ended first)."""
+        targets = self._compacting.pop(request.request_id, None)
+        if targets:
+            self._release(targets[::-1])
+
+    def cancel_compactions(self) -> None:
+        """Give back every reservation still in flight (a step failed before its outputs
+        were applied): the scheduler plans them again."""
+        for rid in list(self._compacting):
+            targets = self._compacting.pop(rid)
+            self._release(targets[::-1])
+
+    def compacting(self, request_id: str) -> tuple[int, ...]:
+        """Blocks reserved for the request's compaction in flight (``()``: none)."""
+        return tuple(self._compacting.get(request_id, ()))
+
     # -- host tiers: swap space and the offload tier -------------------------------------
 
     def is_swapped(self, request: Request) -> bool:
@@ -425,6 +481,8 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.get(rid)
         n = self.blocks_needed(request.num_computed_tokens)
+        if request.kv_compressed:  # its table is a KV press's selection: recompute it
+            return False
         if self.swap is None or not table or n == 0 or n > len(table):
             return False
         host = self.swap.take(rid, n)
@@ -548,6 +606,8 @@ class KVCacheManager:
             if not table or len(set(table)) != len(table):
                 raise AssertionError(f"request {rid!r} has an empty or repeating table {table}")
             holders[table] += 1
+        for rid, targets in self._compacting.items():
+            holders[targets] += 1
         mismatched = np.flatnonzero(holders != self.pool.ref_counts)
         if mismatched.size:
             b = int(mismatched[0])

@@ -44,6 +44,8 @@ from llmlab.kernels.cpu_linear import (
     onednn_unavailable_reason,
     prepack_linears,
 )
+from llmlab.kvpress.runner import PressRunner
+from llmlab.kvpress.schedule import PressSchedule
 from llmlab.lora.attach import attach_lora, check_lora_settings
 from llmlab.models.loader import (
     load_model,
@@ -180,6 +182,8 @@ class EngineBuilder:
             **host_pools(rank.runner.host_kv, offload_eviction),
         )
         scheduler.speculation = rank.length
+        if rank.runner.press is not None:
+            scheduler.press = PressSchedule(plan.press, len(rank.runner.kv_caches))
         executor = rank.runner
         if workers is not None:
             from llmlab.distributed.tp_executor import TensorParallelExecutor
@@ -241,6 +245,7 @@ class EngineBuilder:
         check = getattr(attention, "check_dtype", None)
         if check is not None:  # e.g. the CPU kernels asked for float16: fail before loading
             check(dtype)
+        press = check_press_settings(cfg, attention, pooling is not None)
 
         prepack = False
         if device.type == "cpu" and cfg.cpu_linear != "plain":
@@ -256,7 +261,41 @@ class EngineBuilder:
             config=cfg, model_path=str(model_path), hf_config=hf_config,
             max_model_len=max_model_len, dtype=dtype, device=device, prepack=prepack,
             attention=attention, sampler=sampler, pooling=pooling, quantization=quantization,
+            press=press,
         )
+
+
+def check_press_settings(cfg: EngineConfig, attention: Any, pooling: bool) -> Any:
+    """The engine's KV press (resolved from ``kv_press`` / ``kv_press_config``), or None;
+    ``ValueError`` naming a setting it cannot run with, before any weights load."""
+    if cfg.kv_press is None:
+        if cfg.kv_press_config:
+            raise ValueError("kv_press_config is set but kv_press is None: name a press")
+        return None
+    from llmlab.kvpress import resolve_press
+
+    press = resolve_press(cfg.kv_press, cfg.kv_press_config)
+    registry.check("kv_press", press)
+    unsupported = {
+        "speculative_config": cfg.speculative_config is not None,
+        "runner='pooling'": pooling,
+        "tensor_parallel_size": cfg.tensor_parallel_size > 1,
+    }
+    named = [name for name, on in unsupported.items() if on]
+    if named:
+        raise ValueError(
+            f"kv_press={cfg.kv_press!r} cannot run with {', '.join(named)}: compacting a "
+            "request's KV is not combined with speculative decoding, pooling or "
+            "tensor-parallel ranks yet"
+        )
+    missing = [m for m in ("gather_slots", "scatter_slots") if not hasattr(attention, m)]
+    if missing:
+        raise ValueError(
+            f"kv_press needs an attention backend that reads and writes single KV slots; "
+            f"{getattr(attention, 'name', type(attention).__name__)!r} has no "
+            f"{' / '.join(missing)} (the torch, cpu and triton backends do)"
+        )
+    return press
 
 
 @attrs.frozen
@@ -275,6 +314,7 @@ class BuildPlan:
     sampler: Sampler
     pooling: PoolingSpec | None = None  # runner="pooling": its tasks, pooler, defaults
     quantization: QuantizationSpec | None = None  # weight-only scheme of the linears
+    press: Any = None  # the KV press (llmlab.kvpress), or None
 
 
 @attrs.define
@@ -432,6 +472,16 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             getattr(model, "classify", None),
             plan.pooling.hidden_size,
         )
+    if plan.press is not None:
+        windows = [m.sliding_window for m in model.modules()
+                   if getattr(m, "sliding_window", None) is not None]
+        if windows:
+            raise ValueError(
+                f"kv_press cannot run on a model with sliding-window attention (window "
+                f"{windows[0]}): the window counts cache slots, which a press no longer "
+                "keeps one per position"
+            )
+        runner.press = PressRunner(plan.press, attention, len(kv_caches), cfg.block_size)
     length = None
     if cfg.speculative_config is not None:
         length = _speculate(

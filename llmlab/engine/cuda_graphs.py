@@ -113,8 +113,8 @@ class DecodeGraphs:
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
-        if any(len(e.token_ids) != 1 for e in entries):
-            return None
+        if any(len(e.token_ids) != 1 or e.kv_layer_shift is not None for e in entries):
+            return None  # a graph serves one count of cached tokens for every layer
         size = self.size_for(len(entries))
         if size is None:
             return None
@@ -138,13 +138,15 @@ class DecodeGraphs:
         # One new token per row, at position ``start``.
         rows = np.fromiter((e.row for e in entries), np.int64, n)
         p = np.fromiter((e.start for e in entries), np.int64, n)
+        # A row a KV press compacted caches ``kv_dropped`` fewer tokens than its position.
+        c = p - np.fromiter((e.kv_dropped for e in entries), np.int64, n)
         ids[:n] = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
         pos[:n] = p
-        lens[:n] = p + 1
-        width = max(1, int(-(-(p.max() + 1) // bs)))
+        lens[:n] = c + 1
+        width = max(1, int(-(-(c.max() + 1) // bs)))
         rows_tables = tables.tables[rows, :width]
         staged[:n, :width] = rows_tables
-        slot[:n] = token_slots(rows_tables, np.arange(n), p, bs)
+        slot[:n] = token_slots(rows_tables, np.arange(n), c, bs)
         # Safe to overwrite the pinned staging now: the previous step's copies finished
         # before its sampled tokens were read back, which waits for the stream.
         ids[n:size] = 0

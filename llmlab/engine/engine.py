@@ -375,6 +375,8 @@ class Engine:
                 )
                 if drafted and tokens
             )
+        press = self.scheduler.press
+        compacted = tuple(press.take_log()) if press is not None else ()
         blocks = self.scheduler.kv.drain_events()
         event = None
         if (
@@ -383,6 +385,7 @@ class Engine:
             or self._arrived_since_step
             or failed
             or blocks != BlockEvents()
+            or compacted
         ):
             event = step_event(
                 self._step_index, batch, batch_requests,
@@ -390,7 +393,7 @@ class Engine:
                 arrived=self._arrived_since_step, sampled=sampled, blocks=blocks,
                 kv=self.scheduler.kv, num_waiting=self.scheduler.num_waiting,
                 num_running=len(self.scheduler.running), start=start, end=self.clock(),
-                model_time=model_time, speculated=speculated,
+                model_time=model_time, speculated=speculated, compacted=compacted,
             )
             self._aborted_since_step = []
             self._arrived_since_step = []

@@ -58,6 +58,8 @@ class EngineSnapshot:
         num_swap_blocks / num_swap_blocks_used: the swap space (0 / 0: none).
         num_offload_blocks / offload_cached: the prefix cache's second tier: its size and
             the ids of its blocks holding content (0 / (): none).
+        kv_dropped: per request a KV press compacted, the positions its KV cache no
+            longer holds (requests without one are absent).
     """
 
     step_index: int
@@ -72,6 +74,7 @@ class EngineSnapshot:
     num_swap_blocks_used: int = 0
     num_offload_blocks: int = 0
     offload_cached: tuple[int, ...] = ()
+    kv_dropped: dict[str, int] = attrs.field(factory=dict)
 
     @classmethod
     def take(
@@ -80,10 +83,12 @@ class EngineSnapshot:
     ) -> EngineSnapshot:
         """The snapshot of ``kv`` now; ``requests`` by id give each table's computed count."""
         cache = kv.snapshot()
-        computed = {}
+        computed, dropped = {}, {}
         for rid in cache.block_tables:
             request = requests.get(rid)
             computed[rid] = request.num_computed_tokens if request is not None else 0
+            if request is not None and request.kv_dropped:
+                dropped[rid] = request.kv_dropped
         swap, tier = getattr(kv, "swap", None), getattr(kv, "tier", None)
         host = {}
         if swap is not None:
@@ -94,7 +99,7 @@ class EngineSnapshot:
                         offload_cached=tuple(sorted(tier.index.block_ids())))
         return cls(
             step_index, kv.block_size, kv.num_blocks, cache, computed, num_waiting,
-            num_running, time_s, **host,
+            num_running, time_s, **host, kv_dropped=dropped,
         )
 
 
@@ -129,8 +134,9 @@ class StepEvent:
         arrived: requests queued since the previous event.
         num_prefill_tokens: tokens of the batch that are not decodes (a decode is a
             one-token span past the prompt); the rest of ``num_batched_tokens`` are decodes.
-        num_computed: tokens in each scheduled request's KV cache after the step (same
-            order as ``scheduled``).
+        num_computed: tokens of each scheduled request computed after the step (same
+            order as ``scheduled``); the KV cache holds ``kv_dropped`` fewer of them for a
+            request a KV press compacted.
         blocks_cached: blocks that entered the prefix index this step and are still in it.
         block_tables: every request whose block table changed this step, with the table
             after it (``()``: it holds no blocks now). With ``blocks_evicted`` and
@@ -161,6 +167,12 @@ class StepEvent:
             none).
         num_offload_blocks_cached / num_offload_blocks: the second tier after the step
             (0 / 0: none).
+        kv_compacted: each KV press compaction this step
+            (:class:`~llmlab.kvpress.schedule.Compaction`: the request, its context, the
+            tokens per layer before and kept, ``tokens_dropped``; or the press's failure).
+        kv_dropped: for each scheduled request (same order as ``scheduled``), the
+            positions its KV cache no longer holds after the step (a KV press dropped
+            them; 0 for every request without one).
     """
 
     step_index: int
@@ -202,6 +214,8 @@ class StepEvent:
     num_swap_blocks: int = 0
     num_offload_blocks_cached: int = 0
     num_offload_blocks: int = 0
+    kv_compacted: tuple[Any, ...] = ()
+    kv_dropped: tuple[int, ...] = ()
 
 
 StepObserver = Callable[[StepEvent], None]
@@ -242,6 +256,7 @@ def step_event(
     end: float,
     model_time: float,
     speculated: tuple[tuple[str, int, int], ...] = (),
+    compacted: tuple[Any, ...] = (),
 ) -> StepEvent:
     """The event of one step, after its commit. ``requests``: the batch's requests by id
     (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
@@ -281,7 +296,18 @@ def step_event(
         block_tables=blocks.tables,
         speculated=speculated,
         **_host_tiers(blocks, kv),
+        **_press(compacted, scheduled_requests),
     )
+
+
+def _press(compacted: tuple[Any, ...], requests: list[Any]) -> dict[str, Any]:
+    """The step event's KV press fields (none without compacted requests)."""
+    if not compacted and not any(r.kv_dropped for r in requests):
+        return {}
+    return {
+        "kv_compacted": compacted,
+        "kv_dropped": tuple([r.kv_dropped for r in requests]),
+    }
 
 
 def _host_tiers(blocks: BlockEvents, kv: KVCacheManager) -> dict[str, Any]:

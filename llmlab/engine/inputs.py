@@ -83,6 +83,8 @@ class InputProcessor:
             take ``PoolingParams``), or None (a generating engine: ``SamplingParams``).
         lora: the LoRA adapters in host memory (:class:`~llmlab.lora.store.AdapterStore`)
             when the engine has ``enable_lora``, else None.
+        kv_press: whether the engine has a KV press (a request's
+            ``extra_args["kv_budget"]`` needs one).
     """
 
     tokenizer: Any | None
@@ -96,6 +98,7 @@ class InputProcessor:
     grammars: GrammarFactory | None = None
     pooling: PoolingSpec | None = None
     lora: Any = None
+    kv_press: bool = False
 
     @classmethod
     def of(cls, engine: Any) -> InputProcessor:
@@ -106,6 +109,7 @@ class InputProcessor:
             engine.scheduler.max_num_seqs, kv.block_size, kv.num_blocks,
             engine.max_logprobs, engine.grammars, getattr(engine, "pooling", None),
             getattr(engine, "lora", None),
+            kv_press=getattr(engine.scheduler, "press", None) is not None,
         )
 
     def prepare(
@@ -157,6 +161,12 @@ class InputProcessor:
                 priority=priority, user=user,
             )
         self.check_params(params)
+        budget = (params.extra_args or {}).get("kv_budget")
+        if budget is not None and not self.kv_press:
+            raise ValueError(
+                f"extra_args['kv_budget']={budget!r} needs an engine built with a KV press "
+                "(LLM(..., kv_press='snapkv'), llmlab serve --kv-press snapkv)"
+            )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)

@@ -98,6 +98,9 @@ class ModelRunner:
     # Set by the builder with enable_lora (llmlab.lora.slots.LoRASlots): each row's
     # adapter, the device slots, and the step's tokens grouped by slot.
     lora: Any = attrs.field(init=False, default=None)
+    # Set by the builder with a KV press (llmlab.kvpress.runner.PressRunner): keeps the
+    # queries a press reads and compacts rows after the forward when the batch says so.
+    press: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -148,6 +151,8 @@ class ModelRunner:
             self.pooling.reset()
         if self.lora is not None:
             self.lora.reset()
+        if self.press is not None:
+            self.press.reset()
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
@@ -164,6 +169,8 @@ class ModelRunner:
                 self.pooling.release(batch.freed_rows)
             if self.lora is not None:
                 self.lora.release(batch.freed_rows)
+            if self.press is not None:
+                self.press.release(batch.freed_rows)
         if batch.kv_transfers:  # first: every move was recorded before these copies
             self._apply_transfers(batch.kv_transfers)
         if batch.block_copies:
@@ -182,13 +189,32 @@ class ModelRunner:
                 output = self._sample(batch, hidden, drafts)
                 return with_failures(output, lora_failed) if lora_failed else output
         hidden = None
-        if self.decode_graphs is not None and (self.lora is None or not self.lora.active):
+        press = self.press
+        capture = press.capture_plan(batch.entries, self.device) if press is not None else None
+        if (
+            self.decode_graphs is not None
+            and (self.lora is None or not self.lora.active)
+            and capture is None
+        ):
             # None: not a batch a graph serves. A step with LoRA adapters runs eagerly:
-            # the graphs were captured without any slot index.
+            # the graphs were captured without any slot index; so does one that keeps
+            # queries for a KV press.
             hidden = self.decode_graphs.run(batch, self.block_tables)
         if hidden is None:
-            hidden = self.run_model(batch, self.kv_caches, self.attention_state)
+            hidden = self.run_model(
+                batch, self.kv_caches, self.attention_state, capture=capture
+            )
         output = self._sample(batch, hidden)
+        if press is not None:
+            if capture is not None:
+                press.store(capture)
+            # After the forward wrote this step's KV and after sampling: the row's blocks
+            # are only read; the kept tokens go to blocks the scheduler reserved.
+            compacted = press.compact(
+                batch.entries, self.kv_caches, self.block_tables, self.attention_state
+            )
+            if compacted is not None:
+                output = attrs.evolve(output, compacted=compacted)
         if lora_failed:
             output = with_failures(output, lora_failed)
         if self.pooling is not None:
@@ -530,9 +556,15 @@ class ModelRunner:
         n = len(entries)
         # Host-side index arithmetic in numpy: a few small arrays per step, where each
         # torch op would cost more in dispatch than in work. One pass over the entries.
-        cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
+        cols = np.array(
+            [(len(e.token_ids), e.start, e.row, e.kv_dropped) for e in entries], dtype=np.int64
+        )
         lens, start = cols[:, 0], cols[:, 1]
-        seq_lens = start + lens
+        # A row a KV press compacted holds ``kv_dropped`` fewer tokens than its positions
+        # count: its KV is written and read at ``position - kv_dropped``.
+        dropped = cols[:, 3] if self.press is not None and cols[:, 3].any() else None
+        kv_start = start if dropped is None else start - dropped
+        seq_lens = kv_start + lens
         bs = self.block_size
         if block_tables is None:
             width = int(-(-seq_lens.max() // bs))
@@ -550,7 +582,14 @@ class ModelRunner:
             input_ids = np.fromiter(
                 (t for e in entries for t in e.token_ids), np.int64, num_tokens
             )
-        slots = torch.from_numpy(token_slots(block_tables, seq_index, pos, bs))
+        kv_pos = pos if dropped is None else pos - dropped[seq_index]
+        slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
+        layer_shift = None
+        if self.press is not None and any(e.kv_layer_shift is not None for e in entries):
+            layer_shift = np.zeros((len(self.kv_caches), n), dtype=np.int64)
+            for i, e in enumerate(entries):
+                if e.kv_layer_shift is not None:
+                    layer_shift[:, i] = e.kv_layer_shift
         dev = self.device
         inputs = AttentionInputs(
             query_lens=lens.tolist(),
@@ -560,7 +599,9 @@ class ModelRunner:
             block_size=bs,
             device=dev,
             rows=tuple(e.row for e in entries),
-            state=attention_state,
+            # Layers holding different counts read the paged cache: no per-row copy.
+            state=attention_state if layer_shift is None else None,
+            layer_shift=layer_shift,
         )
         return (
             torch.from_numpy(input_ids).to(dev),
@@ -574,16 +615,36 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         attention_state: Any = None,
         block_tables: np.ndarray | None = None,
+        capture: Any = None,
     ) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]`` of every token in the batch."""
+        """Final hidden states ``[num_tokens, hidden]`` of every token in the batch
+        (``capture``: a KV press's :class:`~llmlab.kvpress.runner.QueryCapture`)."""
         input_ids, positions, inputs = self.prepare(batch, attention_state, block_tables)
+        layer_metadata = None
         try:
             metadata = self.attention.build_metadata(inputs)
+            if inputs.layer_shift is not None:
+                # A KV press kept different counts per layer: one metadata per distinct
+                # shift, shared by the layers that have it.
+                built: dict[bytes, Any] = {}
+                per_layer = []
+                for shift in inputs.layer_shift:
+                    key = shift.tobytes()
+                    if key not in built:
+                        built[key] = (
+                            metadata if not shift.any()
+                            else self.attention.build_metadata(inputs.shifted(shift))
+                        )
+                    per_layer.append(built[key])
+                layer_metadata = tuple(per_layer)
         except Exception as err:
             raise ComponentError.wrap(
                 "attention backend", self.attention, "build_metadata", err
             ) from err
-        context = AttentionContext(self.attention, metadata, kv_caches)
+        context = AttentionContext(
+            self.attention, metadata, kv_caches, layer_metadata,
+            None if capture is None else capture.take,
+        )
         lora = self.lora
         if lora is None:
             return self.model(input_ids, positions, context)

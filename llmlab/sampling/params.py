@@ -150,6 +150,24 @@ class LogitBias(dict):
         return (type(self), (dict(self),))
 
 
+def _extra_args(value: object) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"extra_args must be a dict or None, got {type(value).__name__} {value!r}")
+    value = dict(value)
+    if "kv_budget" in value:
+        from llmlab.kvpress.base import check_budget
+
+        value["kv_budget"] = check_budget(value["kv_budget"], "extra_args['kv_budget']")
+    if "kv_press" in value and not isinstance(value["kv_press"], bool):
+        raise ValueError(
+            f"extra_args['kv_press'] must be a bool (False: this request's KV is never "
+            f"compressed), got {value['kv_press']!r}"
+        )
+    return value
+
+
 def _logit_bias(value: object) -> dict[int, float] | None:
     if value is None:
         return None
@@ -430,6 +448,10 @@ class SamplingParams:
         allowed_token_ids: only these tokens can be generated.
         structured_outputs: a JSON schema, regex, choice or grammar the output must follow
             (``guided_decoding=`` is vLLM's older spelling of the same argument).
+        extra_args: free-form arguments for components (vLLM's field). llmlab reads
+            ``"kv_budget"``: the fraction of its context a request keeps in the KV cache,
+            in (0, 1], with an engine built with a KV press (``LLM(kv_press=...)``); and
+            ``"kv_press": False``: this request is never compressed.
     """
 
     n: int = attrs.field(default=1, converter=functools.partial(as_int, "n", min=1))
@@ -518,6 +540,9 @@ class SamplingParams:
     )
     structured_outputs: StructuredOutputsParams | None = attrs.field(
         default=None, converter=_structured, hash=False
+    )
+    extra_args: dict[str, Any] | None = attrs.field(
+        default=None, converter=_extra_args, hash=False
     )
     # True on the engine's snapshot (see ``snapshot``): read-only, lists as tuples.
     _sealed: bool = attrs.field(default=False, init=False, eq=False, repr=False)

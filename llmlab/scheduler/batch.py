@@ -77,6 +77,38 @@ class Fork:
     params: SamplingParams
 
 
+class PressStep(NamedTuple):
+    """A KV press's part in one entry (:mod:`llmlab.kvpress`): plain data.
+
+    Attributes:
+        capture_from: keep the queries of this span's positions from here on (the press
+            reads the most recent ones at its next compaction); -1: keep none.
+        budgets: when set, compact the row after this step's forward: each layer keeps
+            this many of its cached tokens (the KV written this step included).
+        targets: fresh blocks the kept tokens move into (their table replaces the row's
+            on success; on failure the row stays as it was).
+        context_len: the request's context after this step (what the budgets count).
+        is_prompt: the compaction follows the prompt (else a periodic one).
+        window: how many recent queries to keep per row (-1: every captured one).
+    """
+
+    capture_from: int = -1
+    budgets: tuple[int, ...] | None = None
+    targets: tuple[int, ...] = ()
+    context_len: int = 0
+    is_prompt: bool = True
+    window: int = 0
+
+
+class CompactionResult(NamedTuple):
+    """How a row's compaction went: per layer the tokens kept (``kept``) of ``before``, or
+    why the press failed (``error``; the row then keeps its uncompressed blocks)."""
+
+    before: tuple[int, ...] = ()
+    kept: tuple[int, ...] = ()
+    error: str | None = None
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step (immutable data: a named tuple, the cheapest record to
     build for every running request every step, and the smallest to pickle).
@@ -109,6 +141,13 @@ class ScheduledRequest(NamedTuple):
         pooling: the request pools its prompt instead of sampling (``num_scored`` is 0):
             the executor keeps what its pooler needs of this span's hidden states, and
             when the span ends the prompt (:attr:`pools_now`) returns the pooled output.
+        kv_dropped: positions no longer in the KV cache (a KV press compacted the row):
+            position ``p`` of the span is written at cache index ``p - kv_dropped``, and
+            attention reads ``start + len(token_ids) - kv_dropped`` cached tokens. The
+            positions themselves (rotary) stay the original ones.
+        kv_layer_shift: per layer, how many fewer tokens that layer holds than the
+            largest (a press with per-layer budgets); None when every layer holds as many.
+        kv_press: the KV press's capture and compaction for this entry, or None.
     """
 
     request_id: str
@@ -124,6 +163,9 @@ class ScheduledRequest(NamedTuple):
     num_prompt_tokens: int = 0
     num_lookahead: int = 0
     pooling: bool = False
+    kv_dropped: int = 0
+    kv_layer_shift: tuple[int, ...] | None = None
+    kv_press: PressStep | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -298,6 +340,8 @@ class BatchOutput:
         pooled: per entry, the pooled output (a 1-D float32 CPU tensor: an embedding,
             class probabilities, a score) of an entry that :attr:`~ScheduledRequest.pools_now`,
             else None; the whole field is None when no entry pooled.
+        compacted: per entry, the :class:`CompactionResult` of an entry whose ``kv_press``
+            asked for a compaction, else None; the whole field is None when none did.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -309,6 +353,7 @@ class BatchOutput:
     failed: tuple[str | None, ...] | None = None
     num_drafted: tuple[int, ...] | None = None
     pooled: tuple[Any, ...] | None = None
+    compacted: tuple[CompactionResult | None, ...] | None = None
 
     @classmethod
     def from_lists(
@@ -338,6 +383,10 @@ class BatchOutput:
             )
         if self.pooled is not None and len(self.pooled) != n:
             raise ValueError(f"executor returned {len(self.pooled)} pooled outputs for {n} entries")
+        if self.compacted is not None and len(self.compacted) != n:
+            raise ValueError(
+                f"executor returned {len(self.compacted)} compaction results for {n} entries"
+            )
         all_pooled = self.pooled
         for i, entry in enumerate(batch.entries):
             if self.failed is not None and self.failed[i] is not None:

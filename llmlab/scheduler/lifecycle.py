@@ -47,6 +47,7 @@ class Lifecycle:
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
         failures = output.failed
         drafted = output.num_drafted
+        compacted = output.compacted
         running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)
@@ -58,6 +59,7 @@ class Lifecycle:
                 # This request alone failed in execution: it ends; the batch goes on.
                 self._fail(request, f"request {request.request_id!r} failed: {failures[i]}")
                 continue
+
             start = entry.start
             end = start + len(entry.token_ids)
             speculated = drafted is not None and drafted[i] and token_ids
@@ -75,6 +77,11 @@ class Lifecycle:
                 cache_computed_blocks(request)  # only when a block filled up this step
             if prompt_logprobs is not None and prompt_logprobs[i]:
                 request.add_prompt_logprobs(output.prompt_logprobs_start[i], prompt_logprobs[i])
+            press = entry.kv_press
+            if press is not None and press.budgets is not None:
+                # After the full blocks computed this step entered the prefix index (their
+                # KV is exact), before the forks take the request's blocks.
+                self._compacted(request, entry, compacted[i] if compacted else None)
             if entry.forks and request.forks:
                 # Before the request's own token: a request that finishes now frees its
                 # blocks, and the forks take them by reference first.
@@ -113,6 +120,23 @@ class Lifecycle:
             self._forget(request)
         return finished
 
+    def _compacted(self, request: Request, entry, result) -> None:
+        """Apply a compaction's outcome: the reserved blocks become the request's table,
+        or go back (the press failed: the request goes on uncompressed)."""
+        press = entry.kv_press
+        kept = None if result is None or result.error is not None else tuple(result.kept)
+        if kept is not None and len(kept) == len(press.budgets) and all(
+            0 < k <= b for k, b in zip(kept, press.budgets, strict=True)
+        ):
+            self.kv.commit_compaction(request)
+            self.press.committed(request, press.context_len, result.before, kept)
+            return
+        self.kv.cancel_compaction(request)
+        reason = "the executor did not compact it" if result is None else (
+            result.error or f"kept {result.kept!r} for budgets {press.budgets!r}"
+        )
+        self.press.fail(request, reason, press.context_len)
+
     def _fan_out(self, leader: Request, samples) -> list[Request]:
         """Start the leader's parallel samples: each takes the leader's KV blocks by
         reference (the partly filled last block is copied when first written), a reserved
@@ -124,6 +148,13 @@ class Lifecycle:
             member.num_computed_tokens = leader.num_computed_tokens
             member.num_prompt_computed = leader.num_prompt_computed
             member.num_cached_tokens = leader.num_cached_tokens
+            # A compacted leader's blocks hold its KV press's selection; so do the forks'.
+            member.kv_dropped = leader.kv_dropped
+            member.kv_layer_shift = leader.kv_layer_shift
+            member.kv_compressed = leader.kv_compressed
+            member.kv_compacted_at = leader.kv_compacted_at
+            member.kv_press_error = leader.kv_press_error
+            member.kv_keep = leader.kv_keep
             member.status = RequestStatus.RUNNING
             member.row = row
             member.seq = self._next_seq
@@ -203,6 +234,7 @@ class Lifecycle:
                 swapped = self.kv.is_swapped(request)
         if not swapped:  # recompute (the default, and the fallback when swap is full)
             request.num_computed_tokens = 0
+            request.reset_kv_press()  # recomputed in full, then compacted again
             self._free_blocks(request)
         self._waiting[request.request_id] = request
         self._push(request, now)

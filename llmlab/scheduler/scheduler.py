@@ -81,7 +81,10 @@ class Scheduler(Lifecycle):
             recomputed on resumption) or ``"swap"`` (its computed blocks are copied to the
             KV cache manager's swap space and back on resumption; recompute when that is
             full, or for pooling requests). A policy's optional ``preemption_mode(victim)``
-            may choose per victim.
+            may choose per victim. A request a KV press compacted always recomputes.
+        press: the KV press's scheduling side
+            (:class:`~llmlab.kvpress.schedule.PressSchedule`), or None: each entry gets
+            its capture and compaction, and compacted requests their KV offsets.
     """
 
     kv: KVCacheManager
@@ -93,6 +96,7 @@ class Scheduler(Lifecycle):
     speculation: Any = None
     max_loras: int | None = None
     preemption_mode: str = "recompute"
+    press: Any = None
     running: list[Request] = attrs.field(factory=list)
     # Requests waiting (queued in the policy, or popped during this step's admission).
     _waiting: dict[str, Request] = attrs.field(init=False, factory=dict)
@@ -127,6 +131,8 @@ class Scheduler(Lifecycle):
         request.status = RequestStatus.WAITING
         request.seq = self._next_seq
         self._next_seq += 1
+        if self.press is not None:
+            request.kv_keep = self.press.keep_for(request)
         self._waiting[request.request_id] = request
         self._push(request, request.arrival_time)
 
@@ -152,6 +158,10 @@ class Scheduler(Lifecycle):
 
     def schedule(self, now: float) -> ScheduledBatch:
         self._now = now
+        if self.press is not None:
+            # Reservations of a step whose outputs never came back (it failed): planned
+            # again below.
+            self.kv.cancel_compactions()
         if self._unqueued:
             stranded, self._unqueued = self._unqueued, []
             for request in stranded:
@@ -185,6 +195,8 @@ class Scheduler(Lifecycle):
             budget = self._admit(entries, budget, preempted, now)
         if drafting and not preempted and not self._errors:
             self._extend(entries, drafting, budget)
+        if self.press is not None and entries and not self._errors:
+            self._press_steps(entries)
         freed = self._rows.drain_released()
         return ScheduledBatch(
             entries=tuple(entries),
@@ -194,6 +206,20 @@ class Scheduler(Lifecycle):
             block_copies=tuple(self.kv.take_block_copies()),
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
+
+    def _press_steps(self, entries: list[ScheduledRequest]) -> None:
+        """Each entry's KV press capture and compaction (reserving the compaction's
+        blocks last, after every running request and admission got theirs)."""
+        press = self.press
+        for i, entry in enumerate(entries):
+            request = self._scheduled[entry.request_id]
+            try:
+                step = press.step(request, entry.start, entry.start + len(entry.token_ids), self.kv)
+            except ComponentError as err:  # the eviction policy failed reserving blocks
+                self._errors.append(err)
+                return
+            if step is not None:
+                entries[i] = entry._replace(kv_press=step)
 
     def _lookahead(self, running) -> dict[str, int] | None:
         """Each running decode's speculative lookahead this step, from the length policy
@@ -398,6 +424,13 @@ class Scheduler(Lifecycle):
                 # tier past the device's (loaded back by allocate).
                 prefix = self.kv.lookup_prefix(request)
                 offloaded = self.kv.lookup_offloaded(request, len(prefix))
+                limit = self.press.prefix_limit(request) if self.press is not None else None
+                if limit is not None:
+                    # The press reads the queries of the prompt's last positions: those
+                    # are computed even when cached.
+                    num_blocks = limit // self.kv.block_size
+                    prefix = prefix[:num_blocks]
+                    offloaded = offloaded[: max(0, num_blocks - len(prefix))]
             if not swapped:
                 num_cached = (len(prefix) + len(offloaded)) * self.kv.block_size
             remaining = request.num_tokens - num_cached
@@ -519,13 +552,14 @@ class Scheduler(Lifecycle):
             blocks, 1 if scored else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
             len(request.prompt_token_ids),
+            kv_dropped=request.kv_dropped, kv_layer_shift=request.kv_layer_shift,
         )
 
     def _preemption_mode(self, request: Request) -> str:
         """``"swap"`` or ``"recompute"`` for a victim: the engine's mode, unless the
         policy's optional ``preemption_mode(victim)`` names one. A pooling request always
         recomputes (its pooler's per-row state does not survive the row)."""
-        if request.pooling_params is not None:
+        if request.pooling_params is not None or request.kv_compressed:
             return "recompute"
         mode = self.preemption_mode
         if self._optional("preemption_mode") is not None:

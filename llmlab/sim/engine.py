@@ -190,12 +190,13 @@ def _num_blocks(cfg, shape: ModelShape, max_model_len: int, hw: Hardware | None,
 def _refuse_unmodelled(cfg: EngineConfig) -> None:
     """``ValueError`` naming a setting the simulator would otherwise ignore silently: its
     cost model prices neither adapters nor quantized weights, and its executor moves no KV
-    between tiers (it has no host pools)."""
+    between tiers (it has no host pools) and scores no tokens for a KV press."""
     unmodelled = {
         "enable_lora": cfg.enable_lora,
         "quantization": cfg.quantization is not None,
         "preemption_mode": cfg.preemption_mode == "swap",
         "kv_offloading_size": bool(cfg.kv_offloading_size),
+        "kv_press": cfg.kv_press is not None,
     }
     named = [f"{field}={getattr(cfg, field)!r}" for field, on in unmodelled.items() if on]
     if named:

@@ -1,0 +1,329 @@
+"""KV presses inside the paged engine: compaction against an HF reference, identity at ratio
+0, block accounting (check(), preemption, abort, forks), the prefix cache, and failures.
+
+The reference (:mod:`tests.kvpress.hf_reference`) decodes with a transformers cache cut down
+per (layer, KV head) by the same selection rule, keeping original positions; the engine must
+produce the same greedy tokens on every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from llmlab import LLM, SamplingParams
+from llmlab.kvpress import KnormPress, KVPress, PyramidPress, kept_count
+from llmlab.kvpress.base import PressInput
+from tests.engine.test_hf_parity import assert_no_leaks
+from tests.kvpress.hf_reference import hf_greedy_with_eviction, sinks_and_window
+
+BACKENDS = ["cpu", "torch"] if not torch.cuda.is_available() else ["triton", "torch"]
+PRESSES = ["streaming_llm", "h2o", "snapkv", "tova", "knorm", "random", "pyramid"]
+
+
+def _prompts(vocab: int, lengths=(23, 40, 57)) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _llm(path, backend="cpu", **settings) -> LLM:
+    settings.setdefault("num_gpu_blocks_override", 64)
+    settings.setdefault("max_model_len", 256)
+    return LLM(
+        path, dtype="float32", seed=0, attention_backend=backend, block_size=8,
+        enforce_eager=True, **settings,
+    )
+
+
+def _generate(llm, prompts, max_tokens=12, extra_args=None):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _checked(llm) -> list:
+    """Subscribe an observer that checks the cache after every step; returns the events."""
+    events = []
+
+    def observe(event):
+        llm.llm_engine.kv_cache.check()
+        events.append(event)
+
+    llm.llm_engine.subscribe(observe)
+    return events
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama):
+    """Greedy tokens without a press, per backend."""
+    cache = {}
+
+    def get(backend):
+        if backend not in cache:
+            prompts = _prompts(_vocab(tiny_llama))
+            cache[backend] = _generate(_llm(tiny_llama, backend), prompts)
+        return cache[backend]
+
+    return get
+
+
+def _vocab(path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).vocab_size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("press", PRESSES)
+def test_ratio_zero_is_token_identical(tiny_llama, baseline, backend, press):
+    """Keeping everything still runs the press and moves every token to fresh blocks; the
+    tokens must not change."""
+    llm = _llm(tiny_llama, backend, kv_press=press, kv_press_config={"compression_ratio": 0.0})
+    events = _checked(llm)
+    got = _generate(llm, _prompts(_vocab(tiny_llama)))
+    assert got == baseline(backend)
+    compactions = [c for e in events for c in e.kv_compacted]
+    assert len(compactions) == 3 and all(c.error is None for c in compactions)
+    assert all(c.kept == c.before for c in compactions)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("every", [None, 1, 3])
+def test_streaming_llm_matches_hf_sinks_and_window(tiny_llama, hf_model, backend, every):
+    n_sink, window = 4, 12
+    llm = _llm(
+        tiny_llama, backend, kv_press="streaming_llm",
+        kv_press_config={"n_sink": n_sink, "window": window, "compress_every": every},
+    )
+    _checked(llm)
+    prompts = _prompts(_vocab(tiny_llama))
+    got = _generate(llm, prompts, max_tokens=16)
+    expected = [
+        hf_greedy_with_eviction(hf_model, p, 16, sinks_and_window(n_sink, window), every)
+        for p in prompts
+    ]
+    assert got == expected
+    def keep_all(layer, keys, n):
+        return torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+
+    plain = [hf_greedy_with_eviction(hf_model, p, 16, keep_all) for p in prompts]
+    assert got != plain  # the window changed something, so the comparison means something
+    assert_no_leaks(llm)
+
+
+def _knorm_keep(keep: float):
+    def select(layer, keys, context_len):
+        budget = kept_count(context_len, keep)
+        order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, :budget]
+        return order.sort(dim=-1).values
+
+    return select
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_knorm_per_head_selection_matches_hf(tiny_llama, hf_model, backend):
+    """Each KV head keeps its own lowest-norm keys (different tokens per head)."""
+    llm = _llm(tiny_llama, backend, kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
+    events = _checked(llm)
+    prompts = _prompts(_vocab(tiny_llama))
+    got = _generate(llm, prompts)
+    expected = [hf_greedy_with_eviction(hf_model, p, 12, _knorm_keep(0.5)) for p in prompts]
+    assert got == expected
+    for c in (c for e in events for c in e.kv_compacted):
+        assert c.kept == (kept_count(c.context_len, 0.5),) * len(c.kept)  # exact budget
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_layer_budgets_match_hf(tiny_llama, hf_model, backend):
+    """pyramid(knorm): every layer keeps its own count, read through per-layer lengths."""
+    press = PyramidPress(press=KnormPress(), compression_ratio=0.5, beta=4)
+    llm = _llm(tiny_llama, backend, kv_press=press)
+    events = _checked(llm)
+    prompts = _prompts(_vocab(tiny_llama))
+    got = _generate(llm, prompts)
+
+    def keep(context_len):
+        budgets = press.layer_budgets(context_len, 0.5, hf_model.config.num_hidden_layers)
+
+        def select(layer, keys, n):
+            order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, : budgets[layer]]
+            return order.sort(dim=-1).values
+
+        return select
+
+    expected = [hf_greedy_with_eviction(hf_model, p, 12, keep(len(p))) for p in prompts]
+    assert got == expected
+    kept = [c.kept for e in events for c in e.kv_compacted]
+    assert kept and all(len(set(k)) > 1 for k in kept)  # the layers really differ
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("press", ["knorm", "random"])
+def test_exact_budget_per_layer_and_head(tiny_llama, press):
+    llm = _llm(tiny_llama, kv_press=press, kv_press_config={"compression_ratio": 0.3})
+    events = _checked(llm)
+    prompts = _prompts(_vocab(tiny_llama))
+    _generate(llm, prompts, extra_args={"kv_budget": 0.4})  # the request's own budget wins
+    compactions = [c for e in events for c in e.kv_compacted]
+    assert len(compactions) == len(prompts)
+    for c in compactions:
+        assert c.kept == (kept_count(c.context_len, 0.4),) * len(c.kept)
+        assert c.tokens_dropped == c.before[0] - c.kept[0] > 0
+
+
+def test_compaction_frees_blocks(tiny_llama):
+    llm = _llm(tiny_llama, kv_press="knorm", kv_press_config={"compression_ratio": 0.75})
+    events = _checked(llm)
+    _generate(llm, [_prompts(_vocab(tiny_llama), (120,))[0]], max_tokens=2)
+    step = next(e for e in events if e.kv_compacted)
+    c = step.kv_compacted[0]
+    assert c.context_len == 120 and c.kept[0] == 30
+    # 120 tokens in 15 blocks of 8 -> 30 kept in 4: 11 blocks back in the pool.
+    assert dict(step.block_tables)[step.scheduled[0][0]] and len(
+        dict(step.block_tables)[step.scheduled[0][0]]) == 4
+    assert step.kv_dropped == (90,)
+
+
+def test_periodic_compaction_bounds_the_cache(tiny_llama):
+    llm = _llm(tiny_llama, kv_press="streaming_llm",
+               kv_press_config={"n_sink": 2, "window": 14, "compress_every": 8})
+    events = _checked(llm)
+    _generate(llm, _prompts(_vocab(tiny_llama), (40,)), max_tokens=40)
+    compactions = [c for e in events for c in e.kv_compacted]
+    assert len(compactions) == 1 + 40 // 8 - (1 if 40 % 8 == 0 else 0)
+    assert all(max(c.kept) == 16 for c in compactions)
+    # the cache never holds more than the budget plus the steps between compactions
+    held = [n - d for e in events for n, d in zip(e.num_computed, e.kv_dropped)]
+    assert max(held) <= 16 + 8
+
+
+def test_preemption_and_abort_free_every_block(tiny_llama):
+    llm = _llm(tiny_llama, kv_press="snapkv", kv_press_config={"compression_ratio": 0.5},
+               num_gpu_blocks_override=14, max_num_batched_tokens=32,
+               max_model_len=96)
+    events = _checked(llm)
+    prompts = _prompts(_vocab(tiny_llama), (30, 35, 40, 45))
+    outs = _generate(llm, prompts, max_tokens=30)
+    assert all(len(o) == 30 for o in outs)
+    assert any(e.preempted for e in events)  # the pool was too small: it recomputed
+    assert_no_leaks(llm)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", {"prompt_token_ids": p}, params)
+    for _ in range(8):
+        engine.step()
+    assert any(r.kv_compressed for r in engine.scheduler.running)
+    engine.abort_request([f"a{i}" for i in range(len(prompts))])
+    engine.kv_cache.check()
+    assert_no_leaks(llm)
+
+
+def test_parallel_samples_share_compacted_blocks(tiny_llama):
+    llm = _llm(tiny_llama, kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
+    _checked(llm)
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": _prompts(_vocab(tiny_llama), (40,))[0]}], params,
+                       use_tqdm=False)
+    assert len(out[0].outputs) == 3 and all(len(o.token_ids) == 10 for o in out[0].outputs)
+    assert_no_leaks(llm)
+
+
+def test_compressed_blocks_never_serve_prefix_hits(tiny_llama):
+    """A compressed request's kept blocks never enter the prefix index; an uncompressed
+    request with the same prompt afterwards gets exactly its press-less tokens (the only
+    blocks it may share are full-fidelity ones computed before the compaction)."""
+    prompt = _prompts(_vocab(tiny_llama), (64,))[0]
+    plain = _generate(_llm(tiny_llama), [prompt])
+    llm = _llm(tiny_llama, kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
+    engine = llm.llm_engine
+    compacted_blocks: set[int] = set()
+
+    def observe(event):
+        engine.kv_cache.check()
+        kv = engine.kv_cache
+        for request in engine.scheduler.running:
+            if request.kv_compressed:
+                table = kv.block_table(request.request_id)
+                compacted_blocks.update(table)
+                assert not kv.pool.cached[list(table)].any()
+
+    engine.subscribe(observe)
+    compressed = _generate(llm, [prompt], max_tokens=12)
+    assert compressed != plain
+    events = _checked(llm)
+    again = _generate(llm, [prompt], extra_args={"kv_press": False})
+    assert again == plain
+    hits = {b for e in events for b in e.blocks_prefix_hit}
+    assert hits and not hits & compacted_blocks
+    assert_no_leaks(llm)
+
+
+class _Raises(KVPress):
+    name = "raises"
+
+    def score(self, layer: PressInput):
+        raise RuntimeError("boom")
+
+
+class _WrongShape(KVPress):
+    name = "wrong_shape"
+
+    def score(self, layer: PressInput):
+        return torch.zeros(layer.num_tokens + 1)
+
+
+@pytest.mark.parametrize("press", [_Raises(compression_ratio=0.5), _WrongShape(compression_ratio=0.5)])
+def test_failing_press_is_reported_and_the_request_goes_on(tiny_llama, baseline, press, caplog):
+    llm = _llm(tiny_llama, kv_press=press)
+    events = _checked(llm)
+    with caplog.at_level(logging.WARNING):
+        got = _generate(llm, _prompts(_vocab(tiny_llama)))
+    assert got == baseline("cpu")  # uncompressed, so exactly the press-less tokens
+    failures = [c for e in events for c in e.kv_compacted]
+    assert len(failures) == 3 and all(c.error and type(press).__name__ in c.error
+                                      for c in failures)
+    assert all(c.kept == c.before for c in failures)
+    assert type(press).__name__ in caplog.text
+    assert_no_leaks(llm)
+
+
+def test_budget_outside_range_is_a_value_error(tiny_llama):
+    for bad in (0, 1.5, -0.1, "half"):
+        with pytest.raises(ValueError, match=r"kv_budget"):
+            SamplingParams(extra_args={"kv_budget": bad})
+    with pytest.raises(ValueError, match="compression_ratio"):
+        _llm(tiny_llama, kv_press="knorm", kv_press_config={"compression_ratio": 1.0})
+    with pytest.raises(ValueError, match="kv_budget"):
+        _generate(_llm(tiny_llama), [[5, 6, 7]], extra_args={"kv_budget": 0.5})
+    with pytest.raises(ValueError, match="unknown kv_press 'nope'"):
+        _llm(tiny_llama, kv_press="nope")
+    with pytest.raises(ValueError, match="speculative_config"):
+        _llm(tiny_llama, kv_press="knorm",
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_swap_preemption_recomputes_compressed_requests(tiny_llama):
+    llm = _llm(tiny_llama, kv_press="knorm", kv_press_config={"compression_ratio": 0.5},
+               num_gpu_blocks_override=14, max_num_batched_tokens=32, preemption_mode="swap",
+               max_model_len=96,
+               swap_space=0.01)
+    events = _checked(llm)
+    outs = _generate(llm, _prompts(_vocab(tiny_llama), (30, 35, 40, 45)), max_tokens=30)
+    assert all(len(o) == 30 for o in outs)
+    assert any(e.preempted for e in events)
+    assert_no_leaks(llm)
