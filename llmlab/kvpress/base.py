@@ -143,6 +143,32 @@ class PressInput:
         self._attention.append(weights)
         return weights
 
+    def attention_sum(self, chunk: int = 256) -> torch.Tensor:
+        """``[num_heads, num_tokens]`` float32: :meth:`attention` summed over the recent
+        queries, computed ``chunk`` queries at a time so a press reading every prompt query
+        (H2O) never holds a ``[heads, queries, tokens]`` tensor."""
+        if self._attention:
+            return self._attention[0].sum(dim=1)
+        if self.queries is None:
+            raise ValueError(
+                "this press asked for attention but has no queries: give it a query_window"
+            )
+        q_all = self.queries.float()
+        k = self.keys.float()
+        heads, n_q, _ = q_all.shape
+        group = heads // k.shape[0]
+        k = k.repeat_interleave(group, dim=0) if group > 1 else k
+        n = k.shape[1]
+        key_pos = torch.arange(n, device=k.device)
+        total = torch.zeros(heads, n, dtype=torch.float32, device=k.device)
+        for lo in range(0, n_q, chunk):
+            q = q_all[:, lo : lo + chunk]
+            logits = torch.einsum("hqd,hkd->hqk", q, k) * self.scale
+            query_pos = n - n_q + lo + torch.arange(q.shape[1], device=k.device)
+            logits.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+            total += torch.softmax(logits, dim=-1).sum(dim=1)
+        return total
+
     def per_kv_head(self, scores: torch.Tensor) -> torch.Tensor:
         """Average ``[num_heads, ...]`` scores over the query heads that share each KV head
         (grouped-query attention): ``[num_kv_heads, ...]``."""

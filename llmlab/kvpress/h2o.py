@@ -28,7 +28,7 @@ class H2OPress(KVPress):
         n = layer.num_tokens
         if layer.num_queries == 0:  # no query computed: keep the most recent tokens
             return torch.arange(n, device=layer.keys.device, dtype=torch.float32)
-        scores = layer.per_kv_head(layer.attention().sum(dim=1))  # [num_kv_heads, n]
+        scores = layer.per_kv_head(layer.attention_sum())  # [num_kv_heads, n]
         if self.recent:
             scores[:, -self.recent :] = float("inf")
         return scores

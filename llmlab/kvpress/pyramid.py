@@ -40,9 +40,16 @@ class PyramidPress(KVPress):
         return self.press.score(layer)
 
     def layer_budgets(self, context_len: int, keep: float, num_layers: int) -> list[int]:
-        mean = kept_count(context_len, keep)
-        if num_layers == 1 or mean >= context_len:
-            return [mean] * num_layers
+        total = kept_count(context_len, keep)
+        # As in the paper, the inner press's query window is kept in every layer on top of
+        # the pyramid (otherwise a top layer's budget could be spent inside the window).
+        window = min(max(self.press.query_span, 0), context_len)
+        if num_layers == 1 or total >= context_len or total <= window:
+            return [total] * num_layers
+        mean, context_len = total - window, context_len - window
+        return [window + b for b in self._pyramid(mean, context_len, num_layers)]
+
+    def _pyramid(self, mean: int, context_len: int, num_layers: int) -> list[int]:
         k_min = mean / self.beta
         k_max = 2 * mean - k_min
         if k_max > context_len:

@@ -38,7 +38,7 @@ class SnapKVPress(KVPress):
         # The window's own tokens are always kept; the paper ranks only the tokens before it.
         scores = torch.full((layer.num_kv_heads, n), float("inf"), device=layer.keys.device)
         if n > q:
-            summed = layer.per_kv_head(layer.attention().sum(dim=1))  # [num_kv_heads, n]
+            summed = layer.per_kv_head(layer.attention_sum())  # [num_kv_heads, n]
             pooled = F.max_pool1d(
                 summed[:, None, : n - q], self.kernel_size, stride=1, padding=self.kernel_size // 2
             )

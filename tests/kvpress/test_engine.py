@@ -15,18 +15,24 @@ import pytest
 import torch
 
 from llmlab import LLM, SamplingParams
+from llmlab.attention.triton_backend import triton_unavailable_reason
 from llmlab.kvpress import KnormPress, KVPress, PyramidPress, kept_count
 from llmlab.kvpress.base import PressInput
 from tests.engine.test_hf_parity import assert_no_leaks
 from tests.kvpress.hf_reference import hf_greedy_with_eviction, sinks_and_window
 
 BACKENDS = ["cpu", "torch"] if not torch.cuda.is_available() else ["triton", "torch"]
+_TRITON_REASON = triton_unavailable_reason(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+needs_triton = pytest.mark.skipif(_TRITON_REASON is not None, reason=str(_TRITON_REASON))
 PRESSES = ["streaming_llm", "h2o", "snapkv", "tova", "knorm", "random", "pyramid"]
 
 
 def _prompts(vocab: int, lengths=(23, 40, 57)) -> list[list[int]]:
+    """Prompts of distinct tokens: a repeated token has the same key norm at layer 0 up to
+    rounding (rotary keeps norms), and a near-tie at a press's budget boundary would be
+    broken by float noise, differently here and in the HF reference."""
     rng = random.Random(0)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    return [rng.sample(range(3, vocab), n) for n in lengths]
 
 
 def _llm(path, backend="cpu", **settings) -> LLM:
@@ -326,4 +332,35 @@ def test_swap_preemption_recomputes_compressed_requests(tiny_llama):
     outs = _generate(llm, _prompts(_vocab(tiny_llama), (30, 35, 40, 45)), max_tokens=30)
     assert all(len(o) == 30 for o in outs)
     assert any(e.preempted for e in events)
+    assert_no_leaks(llm)
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above run triton")
+def test_triton_interpreter_ratio_zero_and_compaction_match_hf(tiny_llama, hf_model):
+    """The Triton kernels (in the interpreter here) read compacted rows and per-layer lengths
+    as the other backends do: identity at ratio 0, and knorm / pyramid(knorm) against HF."""
+    prompts = _prompts(_vocab(tiny_llama), (21, 30))
+    plain = _generate(_llm(tiny_llama, "triton"), prompts, max_tokens=6)
+    llm = _llm(tiny_llama, "triton", kv_press="snapkv", kv_press_config={"compression_ratio": 0.0})
+    assert _generate(llm, prompts, max_tokens=6) == plain
+    llm = _llm(tiny_llama, "triton", kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
+    _checked(llm)
+    expected = [hf_greedy_with_eviction(hf_model, p, 6, _knorm_keep(0.5)) for p in prompts]
+    assert _generate(llm, prompts, max_tokens=6) == expected
+    press = PyramidPress(press=KnormPress(), compression_ratio=0.5, beta=4)
+    llm = _llm(tiny_llama, "triton", kv_press=press)
+    _checked(llm)
+    got = _generate(llm, prompts, max_tokens=6)
+
+    def keep(context_len):
+        budgets = press.layer_budgets(context_len, 0.5, hf_model.config.num_hidden_layers)
+
+        def select(layer, keys, n):
+            order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, : budgets[layer]]
+            return order.sort(dim=-1).values
+
+        return select
+
+    assert got == [hf_greedy_with_eviction(hf_model, p, 6, keep(len(p))) for p in prompts]
     assert_no_leaks(llm)

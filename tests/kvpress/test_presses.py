@@ -378,9 +378,30 @@ def test_pyramid_budgets_decrease_and_keep_the_uniform_mean(context_len, keep, n
 
 def test_pyramid_top_layer_gets_the_mean_over_beta_when_nothing_is_clamped():
     mean = kept_count(1000, 0.2)
-    budgets = PyramidPress(beta=20).layer_budgets(1000, 0.2, 8)
+    budgets = PyramidPress(press=KnormPress(), beta=20).layer_budgets(1000, 0.2, 8)
     assert budgets[-1] == round(mean / 20)
     assert budgets[0] == round(2 * mean - mean / 20)
+
+
+def test_pyramid_keeps_the_inner_query_window_in_every_layer():
+    """As in PyramidKV: the pyramid is built over the budget less the window, and every
+    layer keeps the window on top (so no layer spends its budget inside the window)."""
+    mean, window = kept_count(1000, 0.2), 32
+    budgets = PyramidPress(press=SnapKVPress(window_size=window), beta=20).layer_budgets(
+        1000, 0.2, 8
+    )
+    assert budgets[-1] == window + round((mean - window) / 20)
+    assert min(budgets) > window
+    assert abs(sum(budgets) / 8 - mean) <= 1
+    # a budget no larger than the window: uniform
+    assert PyramidPress(press=SnapKVPress(window_size=64)).layer_budgets(100, 0.5, 4) == [50] * 4
+
+
+def test_attention_sum_equals_summed_attention_in_chunks():
+    layer = make_layer(40, 23)
+    expected = layer.attention().sum(dim=1)
+    fresh = make_layer(40, 23)
+    assert torch.allclose(fresh.attention_sum(chunk=5), expected, atol=1e-5)
 
 
 def test_pyramid_keeps_everything_at_keep_one_and_the_mean_for_one_layer():
