@@ -274,3 +274,14 @@ def freeze_json(value: object) -> object:
     if isinstance(value, list):
         return tuple(freeze_json(v) for v in value)
     return value
+
+
+def check_budget(value: object, field: str = "kv_budget") -> float:
+    """``value`` as a kept fraction in (0, 1] (a KV press's budget), or ``ValueError``
+    naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(
+            f"{field} must be a number in (0, 1] (the fraction of the context kept), "
+            f"got {value!r}"
+        )
+    return float(value)

@@ -38,6 +38,7 @@ import numpy as np
 
 from llmlab.cache.kv_cache_manager import CacheSnapshot
 from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
+from llmlab.kvpress.schedule import Compaction
 from llmlab.scheduler.batch import Admission
 
 FORMAT = "llmlab.recording"
@@ -83,6 +84,8 @@ def event_to_json(event: StepEvent) -> dict[str, Any]:
             continue
         if name in ("admitted", "arrived"):
             value = [attrs.asdict(item) for item in value]
+        elif name == "kv_compacted":
+            value = [_compaction_to_json(c) for c in value]
         elif name == "block_tables":
             value = [[rid, list(table)] for rid, table in value]
         elif isinstance(value, tuple):
@@ -119,7 +122,7 @@ def _decode_field(name: str, value: Any) -> Any:
         return tuple((str(a), int(b) if name != "finished" else str(b)) for a, b in value)
     if name in _BLOCK_PAIRS:
         return tuple((int(a), int(b)) for a, b in _list(value))
-    if name in _BLOCKS or name in ("num_computed", "scheduled_priorities"):
+    if name in _BLOCKS or name in ("num_computed", "scheduled_priorities", "kv_dropped"):
         return tuple(int(v) for v in _list(value))
     if name in ("preempted", "aborted"):
         return tuple(str(v) for v in _list(value))
@@ -133,11 +136,42 @@ def _decode_field(name: str, value: Any) -> Any:
         return tuple(Admission(**item) for item in _list(value))
     if name == "arrived":
         return tuple(Arrival(**item) for item in _list(value))
+    if name == "kv_compacted":
+        return tuple(_compaction_from_json(item) for item in _list(value))
     if name in ("wall_time_s", "model_time_s", "start_time_s", "end_time_s", "kv_usage"):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected an integer, got {value!r}")
     return value
+
+
+def _compaction_to_json(compaction: Compaction) -> dict[str, Any]:
+    """A KV press compaction as a dict; ``error`` only when the press failed."""
+    out = {
+        "request_id": compaction.request_id,
+        "context_len": compaction.context_len,
+        "before": list(compaction.before),
+        "kept": list(compaction.kept),
+    }
+    if compaction.error is not None:
+        out["error"] = compaction.error
+    return out
+
+
+def _compaction_from_json(item: Any) -> Compaction:
+    if not isinstance(item, dict):
+        raise TypeError(f"a compaction must be a JSON object, got {type(item).__name__}")
+    unknown = sorted(set(item) - {"request_id", "context_len", "before", "kept", "error"})
+    if unknown:
+        raise ValueError(f"unknown compaction field(s) {unknown}")
+    error = item.get("error")
+    return Compaction(
+        request_id=str(item["request_id"]),
+        context_len=int(item["context_len"]),
+        before=tuple(int(v) for v in _list(item["before"])),
+        kept=tuple(int(v) for v in _list(item["kept"])),
+        error=None if error is None else str(error),
+    )
 
 
 def _list(value: Any) -> list:
@@ -162,6 +196,8 @@ def snapshot_to_json(snapshot: EngineSnapshot) -> dict[str, Any]:
         "num_waiting": snapshot.num_waiting,
         "num_running": snapshot.num_running,
         "time_s": snapshot.time_s,
+        # Only when a KV press compacted a request (older recordings have none).
+        **({"kv_dropped": dict(snapshot.kv_dropped)} if snapshot.kv_dropped else {}),
         **{  # host tiers, only when there are any
             name: list(value) if isinstance(value, tuple) else value
             for name in _HOST_SNAPSHOT_FIELDS
@@ -201,6 +237,7 @@ def snapshot_from_json(data: dict[str, Any]) -> EngineSnapshot:
         num_swap_blocks_used=int(data.get("num_swap_blocks_used", 0)),
         num_offload_blocks=int(data.get("num_offload_blocks", 0)),
         offload_cached=tuple(int(b) for b in data.get("offload_cached", ())),
+        kv_dropped={str(r): int(d) for r, d in data.get("kv_dropped", {}).items()},
     )
 
 

@@ -42,6 +42,10 @@ import attrs
 import torch
 
 from llmlab import registry
+from llmlab.validation import check_budget
+
+__all__ = ["KIND", "KVPress", "PressInput", "check_budget", "kept_count", "register_press",
+           "resolve_press"]
 
 KIND = "kv_press"
 
@@ -62,16 +66,6 @@ def _every(instance: Any, attribute: attrs.Attribute, value: object) -> None:
             f"{attribute.name} must be None (compact once, after the prompt) or an int >= 1 "
             f"(also every that many decode steps), got {value!r}"
         )
-
-
-def check_budget(value: object, field: str = "kv_budget") -> float:
-    """``value`` as a kept fraction in (0, 1], or ``ValueError`` naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(
-            f"{field} must be a number in (0, 1] (the fraction of the context kept), "
-            f"got {value!r}"
-        )
-    return float(value)
 
 
 @attrs.frozen(eq=False)

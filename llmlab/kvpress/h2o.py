@@ -13,7 +13,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("h2o")
 @attrs.define
 class H2OPress(KVPress):
-    """Zhang et al. 2023, *H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
+    """Keep the heavy hitters (most attended tokens) and the most recent tokens.
+
+    Zhang et al. 2023, *H2O: Heavy-Hitter Oracle for Efficient Generative Inference of
     Large Language Models* (arXiv:2306.14048). Keeps the tokens with the largest attention
     accumulated over every query computed since the last compaction (the heavy hitters)
     and the ``recent`` most recent tokens.

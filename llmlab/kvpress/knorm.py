@@ -13,7 +13,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("knorm")
 @attrs.define
 class KnormPress(KVPress):
-    """Devoto et al. 2024, *A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    """Keep the tokens whose keys have the lowest L2 norm.
+
+    Devoto et al. 2024, *A Simple and Effective L2 Norm-Based Strategy for KV Cache
     Compression* (arXiv:2406.11430). Keeps the tokens whose keys have the lowest L2 norm:
     low-norm keys draw the most attention, and the score needs no queries.
     """

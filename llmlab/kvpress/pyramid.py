@@ -18,7 +18,9 @@ def _as_press(value: Any) -> KVPress:
 @register_press("pyramid")
 @attrs.define
 class PyramidPress(KVPress):
-    """Cai et al. 2024, *PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+    """Per-layer budgets falling from the bottom layer to the top, around an inner press.
+
+    Cai et al. 2024, *PyramidKV: Dynamic KV Cache Compression based on Pyramidal
     Information Funneling* (arXiv:2406.02069). Keeps what the inner ``press`` scores
     highest, with budgets falling linearly from the bottom layer to the top (whose budget
     is ``beta`` times below the mean), the same total as uniform budgets.

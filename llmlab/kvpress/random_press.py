@@ -13,8 +13,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("random")
 @attrs.define
 class RandomPress(KVPress):
-    """Keeps a uniformly random subset of each KV head's tokens: the baseline that shows
-    what a press's scores are worth. Draws from the layer's generator when the engine
+    """Keep a uniformly random subset of each KV head's tokens (the control).
+
+    The baseline that shows what a press's scores are worth. Draws from the layer's generator when the engine
     gives one, else from one seeded by ``seed`` and the layer index (deterministic).
     """
 

@@ -14,7 +14,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("snapkv")
 @attrs.define
 class SnapKVPress(KVPress):
-    """Li et al. 2024, *SnapKV: LLM Knows What You are Looking for Before Generation*
+    """Keep what the last prompt window attends to most, pooled into spans.
+
+    Li et al. 2024, *SnapKV: LLM Knows What You are Looking for Before Generation*
     (arXiv:2404.14469). Keeps the observation window (the last ``window_size`` tokens) and
     the earlier tokens those queries attend to most, attention pooled over
     ``kernel_size`` neighbours so whole spans are kept rather than isolated tokens.

@@ -13,7 +13,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("streaming_llm")
 @attrs.define
 class StreamingLLMPress(KVPress):
-    """Xiao et al. 2023, *Efficient Streaming Language Models with Attention Sinks*
+    """Keep the attention sinks and a window of recent tokens.
+
+    Xiao et al. 2023, *Efficient Streaming Language Models with Attention Sinks*
     (arXiv:2309.17453). Keeps the first ``n_sink`` cached tokens (the attention sinks) and
     the most recent ones; with ``window`` set, exactly ``n_sink + window`` tokens per layer
     whatever the compression ratio.

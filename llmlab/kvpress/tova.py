@@ -13,7 +13,9 @@ from llmlab.kvpress.base import KVPress, PressInput, register_press
 @register_press("tova")
 @attrs.define
 class TOVAPress(KVPress):
-    """Oren et al. 2024, *Transformers are Multi-State RNNs* (arXiv:2401.06104). Keeps the
+    """Keep the tokens the newest query attends to most (all heads averaged).
+
+    Oren et al. 2024, *Transformers are Multi-State RNNs* (arXiv:2401.06104). Keeps the
     tokens with the highest attention weight from the last query, averaged over all the
     layer's heads (one choice shared by every KV head), and always the newest token.
     """

@@ -29,6 +29,7 @@ from llmlab.validation import (
     as_seed,
     as_str,
     as_token_ids,
+    check_budget,
     check_encodable,
     freeze_json,
 )
@@ -157,8 +158,6 @@ def _extra_args(value: object) -> dict[str, Any] | None:
         raise TypeError(f"extra_args must be a dict or None, got {type(value).__name__} {value!r}")
     value = dict(value)
     if "kv_budget" in value:
-        from llmlab.kvpress.base import check_budget
-
         value["kv_budget"] = check_budget(value["kv_budget"], "extra_args['kv_budget']")
     if "kv_press" in value and not isinstance(value["kv_press"], bool):
         raise ValueError(

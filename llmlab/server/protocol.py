@@ -125,6 +125,9 @@ class _SamplingFields(_Request):
     use_beam_search: Bool = False
     # logprob tokens as "token_id:{id}"; None: the server's default
     return_tokens_as_token_ids: Bool | None = None
+    # vLLM's free-form arguments for components: SamplingParams.extra_args (llmlab reads
+    # "kv_budget", the fraction of its KV a request keeps under a KV press, and "kv_press")
+    vllm_xargs: dict[str, Any] | None = None
 
 
 # -- completions ---------------------------------------------------------------------------

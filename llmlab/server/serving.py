@@ -498,6 +498,7 @@ class OpenAIServing:
                 truncate_prompt_tokens=request.truncate_prompt_tokens,
                 structured_outputs=structured,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                extra_args=getattr(request, "vllm_xargs", None),
             )
         except (ValueError, TypeError) as err:
             raise bad_request(err, fields) from err

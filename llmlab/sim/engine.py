@@ -202,6 +202,7 @@ def _refuse_unmodelled(cfg: EngineConfig) -> None:
     if named:
         raise ValueError(
             f"the simulator does not model {', '.join(named)} (no LoRA or quantized-weight "
-            "costs, no host KV pools); leave them at their defaults in sim_engine"
+            "costs, no host KV pools, no KV press compaction); leave them at their defaults in "
+            "sim_engine"
         )
 

@@ -51,6 +51,14 @@ class Frame:
             or disk): its size and how many of its blocks hold content (0 / 0: none).
         num_swap_blocks / swap_used: the swap space of preempted requests and how many of
             its blocks hold swapped KV (0 / 0: none).
+        compacted: per block, whether a request holding it had its KV compacted by a KV
+            press (:mod:`llmlab.kvpress`): the block holds the press's selection, not every
+            position (all False without a press).
+        kept_ratio: per compacted request, the tokens its KV cache holds over its context
+            (``(num_computed - kv_dropped) / num_computed``, in the layer that keeps most:
+            what its blocks hold); a request absent keeps everything.
+        context_tokens: per compacted request, its context (``num_computed``): the
+            denominator of ``kept_ratio``.
     """
 
     step_index: int
@@ -68,6 +76,11 @@ class Frame:
     offload_cached: int = 0
     num_swap_blocks: int = 0
     swap_used: int = 0
+    compacted: np.ndarray = attrs.field(
+        default=attrs.Factory(lambda self: np.zeros(self.state.shape, bool), takes_self=True)
+    )
+    kept_ratio: dict[str, float] = attrs.field(factory=dict)
+    context_tokens: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -111,7 +124,19 @@ class Frame:
             parts.append(f"refs {int(self.refs[block])}")
         if self.indexed[block] and owner >= 0:
             parts.append("in the prefix cache")
+        if self.compacted[block]:
+            parts.append(self._compaction_note(block))
         return " · ".join(parts)
+
+    def _compaction_note(self, block: int) -> str:
+        """``compacted (kept 42% of 120 tokens)``: the owner's ratio (a compacted block's
+        first holder is the compacted request, then the parallel samples that share it)."""
+        owner = int(self.owner[block])
+        rid = self.requests[owner] if owner >= 0 else None
+        if rid in self.kept_ratio and rid in self.context_tokens:
+            ratio, context = self.kept_ratio[rid], self.context_tokens[rid]
+            return f"compacted (kept {ratio:.0%} of {context} tokens)"
+        return "compacted"  # a sample not scheduled yet: its counts are not known
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Frame):
@@ -126,6 +151,9 @@ class Frame:
             and (self.offload_cached, self.swap_used) == (other.offload_cached, other.swap_used)
             # Compare owners by id: two views may have met requests in a different order.
             and self.owner_ids() == other.owner_ids()
+            and _array_eq(self.compacted, other.compacted)
+            and self.kept_ratio == other.kept_ratio
+            and self.context_tokens == other.context_tokens
         )
 
     __hash__ = None  # mutable arrays inside
@@ -136,6 +164,13 @@ class KVCacheState:
 
     Cost per event is proportional to the blocks and requests the event touches, not to
     the pool size, so watching a large pool stays cheap.
+
+    KV presses: a request counts as compacted from a ``kv_compacted`` entry without error
+    (a press at ratio 0 compacts and drops nothing), a positive ``kv_dropped``, or the
+    snapshot's ``kv_dropped``; a parallel sample that takes a compacted block by reference
+    is compacted too (compacted blocks never enter the prefix index, so a fork is the only
+    way to share one). It is forgotten when it holds no blocks any more or is preempted (it
+    is recomputed uncompressed, and compacted again later).
     """
 
     def __init__(self, snapshot: EngineSnapshot) -> None:
@@ -156,7 +191,17 @@ class KVCacheState:
         self._tables: dict[str, tuple[int, ...]] = {}
         self._computed: dict[str, int] = dict(snapshot.num_computed)
         self._arange = np.arange(0, 1, dtype=np.int64)
+        # KV presses: positions each compacted request's cache no longer holds (only the
+        # nonzero ones), the compacted requests, and per block how many of them hold it.
+        self._dropped: dict[str, int] = {}
+        self._compacted: set[str] = set()
+        self._compacted_refs = np.zeros(n, np.int32)
         self._apply_tables(snapshot.kv.block_tables.items())
+        for rid, dropped in snapshot.kv_dropped.items():
+            if rid in self._tables and dropped:
+                self._dropped[rid] = dropped
+                self._mark(rid)
+        self._inherit(snapshot.kv.block_tables)
         self._refill(snapshot.kv.block_tables)
         self.tokens[(self.refs == 0) & self.indexed] = self.block_size
         # The host tiers: which second-tier blocks hold content; swap space in use.
@@ -173,11 +218,28 @@ class KVCacheState:
             self.indexed[list(event.blocks_evicted)] = False
         if event.blocks_cached:
             self.indexed[list(event.blocks_cached)] = True
+        # Press bookkeeping around the tables: a preempted request is recomputed in full
+        # (forget it first); a compaction is marked on the table it had, which the new
+        # table then replaces block by block.
+        for rid in event.preempted:
+            self._unmark(rid)
+            self._dropped.pop(rid, None)
+        for compaction in event.kv_compacted:
+            if compaction.error is None:
+                self._mark(compaction.request_id)
         touched = self._apply_tables(event.block_tables)
-        for (rid, _), n in zip(event.scheduled, event.num_computed, strict=False):
+        # ``kv_dropped`` is empty on a step where no scheduled request had dropped any.
+        dropped = event.kv_dropped or (0,) * len(event.scheduled)
+        for (rid, _), n, d in zip(event.scheduled, event.num_computed, dropped, strict=False):
             if rid in self._tables:
                 self._computed[rid] = n
+                if d:
+                    self._dropped[rid] = d
+                    self._mark(rid)
+                else:
+                    self._dropped.pop(rid, None)
                 touched.add(rid)
+        self._inherit(touched)
         self._refill(touched)
         # Freed blocks: a cached one keeps its (full) content; the others are empty.
         changed = list(event.blocks_freed) + list(event.blocks_evicted)
@@ -207,6 +269,9 @@ class KVCacheState:
             # Only the difference moves: a request keeps its place among a block's holders
             # (and so its ownership) while its table grows.
             kept = set(old).intersection(table)
+            if rid in self._compacted:
+                self._compacted_refs[[b for b in old if b not in kept]] -= 1
+                self._compacted_refs[[b for b in table if b not in kept]] += 1
             for block in old:
                 if block in kept:
                     continue
@@ -231,9 +296,37 @@ class KVCacheState:
             if table:
                 self._tables[rid] = tuple(table)
                 touched.add(rid)
-            else:
+            else:  # it left (finished, aborted, preempted): forget it
                 self._computed.pop(rid, None)
+                self._dropped.pop(rid, None)
+                self._compacted.discard(rid)
         return touched
+
+    def _mark(self, rid: str) -> None:
+        """``rid``'s KV was compacted: its blocks (now and later) are compacted blocks."""
+        if rid in self._compacted:
+            return
+        self._compacted.add(rid)
+        table = self._tables.get(rid)
+        if table:
+            self._compacted_refs[list(table)] += 1
+
+    def _unmark(self, rid: str) -> None:
+        if rid not in self._compacted:
+            return
+        self._compacted.discard(rid)
+        table = self._tables.get(rid)
+        if table:
+            self._compacted_refs[list(table)] -= 1
+
+    def _inherit(self, request_ids: Iterable[str]) -> None:
+        """A request holding a block of a compacted one is a parallel sample of it: its
+        KV is the press's selection too (checked once every table of the event is in, so
+        the order of ``block_tables`` does not matter)."""
+        for rid in request_ids:
+            table = self._tables.get(rid)
+            if table and rid not in self._compacted and self._compacted_refs[list(table)].any():
+                self._mark(rid)
 
     def _refill(self, request_ids: Iterable[str]) -> None:
         """Recompute tokens per block for the blocks these requests own."""
@@ -245,7 +338,9 @@ class KVCacheState:
             ids = np.asarray(table, np.int64)
             if self._arange.shape[0] < ids.shape[0]:
                 self._arange = np.arange(max(ids.shape[0], 2 * self._arange.shape[0]))
-            fill = np.clip(self._computed.get(rid, 0) - self._arange[: ids.shape[0]] * bs, 0, bs)
+            # What the blocks hold: the computed tokens less those a KV press dropped.
+            cached = self._computed.get(rid, 0) - self._dropped.get(rid, 0)
+            fill = np.clip(cached - self._arange[: ids.shape[0]] * bs, 0, bs)
             # An indexed block is full by construction (only full blocks are indexed).
             fill = np.where(self.indexed[ids], bs, fill)
             mine = self.owner[ids] == self._index[rid]
@@ -256,6 +351,7 @@ class KVCacheState:
     def frame(self) -> Frame:
         """An immutable copy of the pool now."""
         refs = self.refs.copy()
+        context = {r: c for r in self._compacted if (c := self._computed.get(r, 0)) > 0}
         state = np.where(refs > 1, SHARED, np.where(refs == 1, USED, EMPTY)).astype(np.int8)
         state[(refs == 0) & self.indexed] = CACHED
         frame = Frame(
@@ -274,8 +370,13 @@ class KVCacheState:
             offload_cached=int(np.count_nonzero(self.offload_indexed)),
             num_swap_blocks=self.num_swap_blocks,
             swap_used=self.swap_used,
+            compacted=self._compacted_refs > 0,
+            kept_ratio={r: (c - self._dropped.get(r, 0)) / c for r, c in context.items()},
+            context_tokens=context,
         )
-        for array in (frame.state, frame.owner, frame.refs, frame.tokens, frame.indexed):
+        arrays = (frame.state, frame.owner, frame.refs, frame.tokens, frame.indexed,
+                  frame.compacted)
+        for array in arrays:
             array.flags.writeable = False
         return frame
 

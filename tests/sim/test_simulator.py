@@ -193,7 +193,7 @@ def test_speculation_with_a_drafter_is_refused_in_simulation(tiny_llama):
 
 @pytest.mark.parametrize("setting", [
     {"enable_lora": True}, {"quantization": "int8"}, {"preemption_mode": "swap"},
-    {"kv_offloading_size": 0.5},
+    {"kv_offloading_size": 0.5}, {"kv_press": "snapkv"},
 ])
 def test_settings_the_simulator_does_not_model_are_refused_naming_them(tiny_llama, setting):
     (field, value), = setting.items()

@@ -189,3 +189,47 @@ def test_gzip_recordings_round_trip_and_unreadable_bytes_name_the_line(tiny_llam
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ValueError, match=r"binary.jsonl: line 1: cannot be read"):
         load(tmp_path / "binary.jsonl")
+
+
+def test_kv_press_fields_round_trip(tiny_llama, tmp_path):
+    """``kv_compacted`` comes back as ``Compaction``s (tuples, errors included),
+    ``kv_dropped`` as ints, and a snapshot taken mid-run keeps its ``kv_dropped``."""
+    import attrs
+
+    from llmlab.engine.recording import snapshot_from_json, snapshot_to_json
+    from llmlab.kvpress import kept_count
+    from llmlab.kvpress.schedule import Compaction
+
+    llm = LLM(tiny_llama, dtype="float32", kv_press="knorm",
+              kv_press_config={"compression_ratio": 0.5}, block_size=8,
+              num_gpu_blocks_override=64, enforce_eager=True)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 40))}, params)
+    engine.step()  # "a" compacted: the recording starts from a snapshot that says so
+    snapshot = engine.snapshot()
+    assert snapshot.kv_dropped == {"a": 37 - kept_count(37, 0.5)}
+    assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snapshot)))).kv_dropped \
+        == snapshot.kv_dropped
+    events = []
+    engine.subscribe(events.append)
+    path = tmp_path / "press.jsonl"
+    with engine.record(path):
+        engine.add_request("b", {"prompt_token_ids": list(range(50, 75))}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    recording = load(path)
+    assert recording.events == tuple(events)
+    compactions = [c for e in recording.events for c in e.kv_compacted]
+    assert [c.request_id for c in compactions] == ["b"]
+    assert isinstance(compactions[0], Compaction) and isinstance(compactions[0].kept, tuple)
+    assert any(any(e.kv_dropped) for e in recording.events)
+    assert recording.snapshot.kv_dropped == snapshot.kv_dropped
+    # A failed press's message survives too; a malformed compaction names the field.
+    failed = attrs.evolve(events[0], kv_compacted=(Compaction("b", 25, (25, 25), (25, 25),
+                                                              "kv_press boom"),))
+    assert event_from_json(json.loads(json.dumps(event_to_json(failed)))) == failed
+    bad = event_to_json(events[0])
+    bad["kv_compacted"] = [{"request_id": "b", "kept": [1]}]
+    with pytest.raises(ValueError, match="field 'kv_compacted'"):
+        event_from_json(bad)

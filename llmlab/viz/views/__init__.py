@@ -17,6 +17,7 @@ One view per module: ``base`` (the shared plumbing, colors), ``kv_cache``, ``tim
 """
 
 from llmlab.viz.views.base import CACHED_COLOR as CACHED_COLOR
+from llmlab.viz.views.base import COMPACTED_MARK as COMPACTED_MARK
 from llmlab.viz.views.base import EMPTY_COLOR as EMPTY_COLOR
 from llmlab.viz.views.base import PALETTE as PALETTE
 from llmlab.viz.views.base import PARTIAL_WASH as PARTIAL_WASH

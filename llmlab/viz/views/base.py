@@ -24,6 +24,8 @@ PALETTE = (
 EMPTY_COLOR = "#eeeeee"
 CACHED_COLOR = "#b5b5b5"
 SHARED_MARK = "inset 0 0 0 2px #111"
+# A block whose KV a KV press compacted: a dashed outline inside the cell (CSS ``outline``).
+COMPACTED_MARK = "1px dashed #111"
 PARTIAL_WASH = "rgba(255,255,255,0.6)"
 
 

@@ -12,6 +12,7 @@ from llmlab.engine.events import EngineSnapshot, StepEvent
 from llmlab.viz.state import CACHED, EMPTY, SHARED, Frame, KVCacheState
 from llmlab.viz.views.base import (
     CACHED_COLOR,
+    COMPACTED_MARK,
     EMPTY_COLOR,
     PALETTE,
     PARTIAL_WASH,
@@ -26,7 +27,9 @@ class KVCacheView(_View):
 
     Shared blocks (prefix hits, parallel samples) carry a dark outline; a partly written
     block (the last of each request) is washed out beyond its filled part; free blocks
-    whose KV is still in the prefix cache are gray, empty ones near-white. Hovering a cell gives
+    whose KV is still in the prefix cache are gray, empty ones near-white. Blocks of a request
+    whose KV a KV press compacted carry a dashed inner outline, and the legend gives each such
+    request's kept ratio. Hovering a cell gives
     the block, its owner, tokens stored and ref count. Pools with more than ``max_cells``
     blocks are drawn aggregated: each cell stands for a run of consecutive blocks and shows
     the state most of them are in (and the commonest owner).
@@ -124,9 +127,15 @@ class KVCacheView(_View):
                 f'gap:1px;margin:4px 0">'
             ),
         ]
-        cells_iter = zip(cells.color, cells.shared, cells.title, cells.fill, strict=True)
-        for color, shared, title, fill in cells_iter:
+        cells_iter = zip(
+            cells.color, cells.shared, cells.title, cells.fill, cells.compacted, strict=True
+        )
+        for color, shared, title, fill, compacted in cells_iter:
             mark = f";box-shadow:{SHARED_MARK}" if shared else ""
+            if compacted:
+                # An outline, not a box-shadow or a gradient: those mark shared and partly
+                # written blocks, and a compacted block may be either too.
+                mark += f";outline:{COMPACTED_MARK};outline-offset:-4px"
             if fill < 1.0:
                 # The unfilled part of a partly written block, washed out: the slack
                 # (internal fragmentation) of the last block of each request.
@@ -167,27 +176,37 @@ class KVCacheView(_View):
             f"use ({counts['shared']} shared) · {counts['cached']} cached free · "
             f"{counts['empty']} empty · {frame.num_running} running, {frame.num_waiting} "
             "waiting"
+            + _compacted_note(frame, " · ")
             + (f" · {per_cell} blocks per cell" if per_cell > 1 else "")
             + "</div><div>"
         ]
         for i in top:
             rid = html.escape(frame.requests[i])
-            parts.append(f"{swatch(request_color(i))}{rid}: {int(held[i])}")
+            parts.append(f"{swatch(request_color(i))}{rid}: {int(held[i])}{_kept(frame, i)}")
         if len(top) < int(np.count_nonzero(held)):
             parts.append(f" … {int(np.count_nonzero(held)) - len(top)} more")
+        compacted = ""
+        if frame.compacted.any():  # only with a KV press
+            compacted = (
+                f'<span style="display:inline-block;width:10px;height:10px;'
+                f"background:#ffffff;outline:{COMPACTED_MARK};outline-offset:-2px;"
+                f'margin:0 3px 0 8px;vertical-align:middle"></span>compacted by a KV press'
+            )
         parts.append(
             f"</div><div>{swatch('#ffffff', SHARED_MARK)}shared"
             f"{swatch(half_written)}partly written"
+            f"{compacted}"
             f"{swatch(CACHED_COLOR)}cached free (a prefix hit can revive it)"
             f"{swatch(EMPTY_COLOR)}empty</div>"
         )
         return "".join(parts)
 
     def figure(self, frame: Frame | None = None):
-        """The grid as a matplotlib ``Figure`` (same colors and outline as the widget)."""
+        """The grid as a matplotlib ``Figure`` (same colors and outlines as the widget)."""
+        from matplotlib.collections import PatchCollection
         from matplotlib.colors import to_rgb
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        from matplotlib.patches import Patch, Rectangle
 
         frame = self.frame if frame is None else frame
         cells = _cells(frame, self.max_cells)
@@ -211,6 +230,13 @@ class KVCacheView(_View):
                 shared % columns, shared // columns, marker="s", s=40,
                 facecolors="none", edgecolors="#111111", linewidths=1.2,
             )  # fmt: skip
+        compacted = np.flatnonzero(cells.compacted)
+        if compacted.size:
+            # A dashed square inside the cell (inside the shared outline, when both).
+            ax.add_collection(PatchCollection(
+                [Rectangle((c % columns - 0.3, c // columns - 0.3), 0.6, 0.6) for c in compacted],
+                **_COMPACTED_STYLE,
+            ))  # fmt: skip
         # Thin white lines between cells, as in the widget.
         ax.set_xticks(np.arange(-0.5, columns, 1), minor=True)
         ax.set_yticks(np.arange(-0.5, rows, 1), minor=True)
@@ -220,6 +246,7 @@ class KVCacheView(_View):
         ax.set_title(
             f"KV cache after step {frame.step_index}\n{frame.num_in_use}/{frame.num_blocks} "
             f"blocks in use, {counts['shared']} shared, {counts['cached']} cached free"
+            + _compacted_note(frame, ", ")
             + (f", {cells.blocks_per_cell} blocks per cell" if cells.blocks_per_cell > 1 else "")
             + "".join(f"\n{line}" for line in _host_tier_lines(frame)),
             fontsize="small",
@@ -227,14 +254,40 @@ class KVCacheView(_View):
         )
         held = np.bincount(frame.owner[frame.owner >= 0], minlength=len(frame.requests))
         top = [int(i) for i in np.argsort(-held, kind="stable")[:10] if held[i] > 0]
-        handles = [Patch(color=request_color(i), label=frame.requests[i]) for i in top]
+        handles = [
+            Patch(color=request_color(i), label=frame.requests[i] + _kept(frame, i, as_html=False))
+            for i in top
+        ]
+        handles.append(Patch(facecolor="white", edgecolor="#111111", label="shared"))
+        if compacted.size:
+            handles.append(Patch(facecolor="white", edgecolor=_COMPACTED_STYLE["edgecolor"],
+                                 linestyle=_COMPACTED_STYLE["linestyle"],
+                                 label="compacted by a KV press"))
         handles += [
-            Patch(facecolor="white", edgecolor="#111111", label="shared"),
             Patch(color=CACHED_COLOR, label="cached free"),
             Patch(color=EMPTY_COLOR, label="empty"),
         ]
         fig.legend(handles=handles, loc="outside right upper", fontsize="small", frameon=False)
         return fig
+
+
+# The figure's mark of a compacted block (the widget's is COMPACTED_MARK).
+_COMPACTED_STYLE = {"facecolor": "none", "edgecolor": "#111111", "linestyle": (0, (2, 1.5)),
+                    "linewidth": 1.0}
+
+
+def _compacted_note(frame: Frame, sep: str) -> str:
+    """How many blocks a KV press compacted, for the summary line (nothing without)."""
+    n = int(np.count_nonzero(frame.compacted))
+    return f"{sep}{n} compacted" if n else ""
+
+
+def _kept(frame: Frame, index: int, as_html: bool = True) -> str:
+    """`` (kept 50%)`` after a compacted request's legend entry, else nothing."""
+    ratio = frame.kept_ratio.get(frame.requests[index])
+    if ratio is None:
+        return ""
+    return f" <i>(kept {ratio:.0%})</i>" if as_html else f" (kept {ratio:.0%})"
 
 
 def _host_tier_lines(frame: Frame) -> list[str]:
@@ -270,13 +323,15 @@ def _host_tiers_html(frame: Frame) -> str:
 
 
 class _Cells:
-    __slots__ = ("blocks_per_cell", "color", "fill", "shared", "title")
+    __slots__ = ("blocks_per_cell", "color", "compacted", "fill", "shared", "title")
 
-    def __init__(self, color, shared, title, blocks_per_cell, fill=None) -> None:
+    def __init__(self, color, shared, title, blocks_per_cell, fill, compacted) -> None:
         self.color, self.shared, self.title = color, shared, title
         self.blocks_per_cell = blocks_per_cell
         # Fraction of a held block's slots that hold tokens (1.0 when aggregated or free).
         self.fill = [1.0] * len(color) if fill is None else fill
+        # Whether a cell holds a block a KV press compacted (any of its blocks, aggregated).
+        self.compacted = compacted
 
 
 def _cells(frame: Frame, max_cells: int) -> _Cells:
@@ -292,8 +347,8 @@ def _cells(frame: Frame, max_cells: int) -> _Cells:
         titles = [frame.describe(b) for b in range(n)]
         held = frame.refs > 0
         fill = np.where(held, frame.tokens / frame.block_size, 1.0).tolist()
-        return _Cells(colors, shared, titles, 1, fill)
-    colors, shared, titles = [], [], []
+        return _Cells(colors, shared, titles, 1, fill, frame.compacted.tolist())
+    colors, shared, titles, compacted = [], [], [], []
     for start in range(0, n, per_cell):
         stop = min(n, start + per_cell)
         states = frame.state[start:stop]
@@ -309,10 +364,13 @@ def _cells(frame: Frame, max_cells: int) -> _Cells:
         else:
             colors.append(EMPTY_COLOR)
         shared.append(bool(counts[SHARED]))
+        num_compacted = int(np.count_nonzero(frame.compacted[start:stop]))
+        compacted.append(num_compacted > 0)
         names = sorted({frame.requests[o] for o in held.tolist()})
         who = f"; {', '.join(names[:4])}" + (" …" if len(names) > 4 else "") if names else ""
         titles.append(
-            f"blocks {start}–{stop - 1}: {used} in use ({int(counts[SHARED])} shared), "
-            f"{int(counts[CACHED])} cached, {int(counts[EMPTY])} empty{who}"
+            f"blocks {start}–{stop - 1}: {used} in use ({int(counts[SHARED])} shared"
+            + (f", {num_compacted} compacted" if num_compacted else "")
+            + f"), {int(counts[CACHED])} cached, {int(counts[EMPTY])} empty{who}"
         )
-    return _Cells(colors, shared, titles, per_cell)
+    return _Cells(colors, shared, titles, per_cell, None, compacted)
