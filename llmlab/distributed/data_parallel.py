@@ -266,6 +266,7 @@ class DataParallelEngine:
             tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
             min(i.max_num_seqs for i in infos), first.block_size,
             min(i.num_kv_blocks for i in infos), self.max_logprobs, self.grammars,
+            kv_press=self.config.kv_press is not None,
         )
         self.router = router
         self.step_timeout_s = step_timeout_s

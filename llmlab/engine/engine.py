@@ -376,7 +376,7 @@ class Engine:
                 if drafted and tokens
             )
         press = self.scheduler.press
-        compacted = tuple(press.take_log()) if press is not None else ()
+        compacted = tuple(press.take_log()) if press is not None else None
         blocks = self.scheduler.kv.drain_events()
         event = None
         if (

@@ -256,7 +256,7 @@ def step_event(
     end: float,
     model_time: float,
     speculated: tuple[tuple[str, int, int], ...] = (),
-    compacted: tuple[Any, ...] = (),
+    compacted: tuple[Any, ...] | None = None,
 ) -> StepEvent:
     """The event of one step, after its commit. ``requests``: the batch's requests by id
     (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
@@ -300,9 +300,10 @@ def step_event(
     )
 
 
-def _press(compacted: tuple[Any, ...], requests: list[Any]) -> dict[str, Any]:
-    """The step event's KV press fields (none without compacted requests)."""
-    if not compacted and not any(r.kv_dropped for r in requests):
+def _press(compacted: tuple[Any, ...] | None, requests: list[Any]) -> dict[str, Any]:
+    """The step event's KV press fields (none without a press, or without compacted
+    requests). ``compacted``: None when the engine has no press."""
+    if compacted is None or (not compacted and not any(r.kv_dropped for r in requests)):
         return {}
     return {
         "kv_compacted": compacted,
