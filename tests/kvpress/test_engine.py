@@ -364,3 +364,20 @@ def test_triton_interpreter_ratio_zero_and_compaction_match_hf(tiny_llama, hf_mo
 
     assert got == [hf_greedy_with_eviction(hf_model, p, 6, keep(len(p))) for p in prompts]
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("press", ["snapkv", "h2o", "tova"])
+def test_queries_kept_across_prefill_chunks_and_prefix_hits(tiny_llama, press):
+    """A press reading queries sees the same ones whether the prompt is computed in one step,
+    in chunks, or after a prefix-cache hit (the hit stops before the window)."""
+    prompts = _prompts(_vocab(tiny_llama), (70, 90))
+    config = {"compression_ratio": 0.5}
+    whole = _generate(_llm(tiny_llama, kv_press=press, kv_press_config=config,
+                           max_num_batched_tokens=512), prompts)
+    llm = _llm(tiny_llama, kv_press=press, kv_press_config=config, max_num_batched_tokens=24)
+    events = _checked(llm)
+    assert _generate(llm, prompts) == whole  # chunks of 24 tokens
+    again = _generate(llm, prompts)  # the same prompts: prefix hits, short of the window
+    assert again == whole
+    hits = sum(a.num_cached_tokens for e in events for a in e.admitted)
+    assert hits > 0 if press != "h2o" else hits == 0  # h2o reads every prompt query
