@@ -59,7 +59,8 @@ class EngineSnapshot:
         num_offload_blocks / offload_cached: the prefix cache's second tier: its size and
             the ids of its blocks holding content (0 / (): none).
         kv_dropped: per request a KV press compacted, the positions its KV cache no
-            longer holds (requests without one are absent).
+            longer holds (0 when the press kept everything); uncompacted requests are
+            absent.
     """
 
     step_index: int
@@ -87,7 +88,7 @@ class EngineSnapshot:
         for rid in cache.block_tables:
             request = requests.get(rid)
             computed[rid] = request.num_computed_tokens if request is not None else 0
-            if request is not None and request.kv_dropped:
+            if request is not None and request.kv_compressed:
                 dropped[rid] = request.kv_dropped
         swap, tier = getattr(kv, "swap", None), getattr(kv, "tier", None)
         host = {}

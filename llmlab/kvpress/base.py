@@ -219,7 +219,7 @@ class KVPress:
 
     def select(self, layer: PressInput, budget: int) -> torch.Tensor:
         """Cache indices each KV head keeps: ``[num_kv_heads, budget]``, ascending: the
-        ``budget`` best scores (ties: the earlier token).
+        ``budget`` best scores (ties: the later token).
 
         Raises ``ValueError`` when :meth:`score` returns the wrong shape or non-finite
         values where a choice depends on them (the engine reports it, naming the press,
@@ -243,11 +243,12 @@ class KVPress:
             raise ValueError(f"score() returned NaN for layer {layer.layer}")
         if budget >= n:
             return torch.arange(n, device=scores.device).expand(heads, n)
-        # A stable sort, so ties keep the earlier token on every backend and run (topk's
-        # choice among equal scores is unspecified; equal key norms are common: rotary
-        # keeps a repeated token's norm).
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        return torch.sort(order[:, :budget], dim=-1).values
+        # A stable sort over the tokens newest first, so ties keep the later token on every
+        # backend and run: topk's choice among equal scores is unspecified, and ties are
+        # common (a press's +inf for the tokens it always keeps, which a small budget must
+        # cut, newest kept; equal key norms: rotary keeps a repeated token's norm).
+        order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices
+        return torch.sort(n - 1 - order[:, :budget], dim=-1).values
 
 
 def kept_count(context_len: int, keep: float) -> int:

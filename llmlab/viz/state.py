@@ -197,9 +197,10 @@ class KVCacheState:
         self._compacted: set[str] = set()
         self._compacted_refs = np.zeros(n, np.int32)
         self._apply_tables(snapshot.kv.block_tables.items())
-        for rid, dropped in snapshot.kv_dropped.items():
-            if rid in self._tables and dropped:
-                self._dropped[rid] = dropped
+        for rid, dropped in snapshot.kv_dropped.items():  # every compacted request
+            if rid in self._tables:
+                if dropped:
+                    self._dropped[rid] = dropped
                 self._mark(rid)
         self._inherit(snapshot.kv.block_tables)
         self._refill(snapshot.kv.block_tables)
@@ -219,8 +220,9 @@ class KVCacheState:
         if event.blocks_cached:
             self.indexed[list(event.blocks_cached)] = True
         # Press bookkeeping around the tables: a preempted request is recomputed in full
-        # (forget it first); a compaction is marked on the table it had, which the new
-        # table then replaces block by block.
+        # (forget it first; today its table also empties in this event, which forgets it
+        # too, but a swap that kept its table must not keep the mark); a compaction is
+        # marked on the table it had, which the new table then replaces block by block.
         for rid in event.preempted:
             self._unmark(rid)
             self._dropped.pop(rid, None)

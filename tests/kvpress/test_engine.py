@@ -130,11 +130,16 @@ def test_streaming_llm_matches_hf_sinks_and_window(tiny_llama, hf_model, backend
     assert_no_leaks(llm)
 
 
+def _lowest_norms(keys: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per head, the ``budget`` keys of lowest norm (ties: the later one), ascending."""
+    n = keys.shape[1]
+    order = keys.float().norm(dim=-1).flip(-1).argsort(dim=-1, stable=True)[:, :budget]
+    return (n - 1 - order).sort(dim=-1).values
+
+
 def _knorm_keep(keep: float):
     def select(layer, keys, context_len):
-        budget = kept_count(context_len, keep)
-        order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, :budget]
-        return order.sort(dim=-1).values
+        return _lowest_norms(keys, kept_count(context_len, keep))
 
     return select
 
@@ -166,8 +171,7 @@ def test_per_layer_budgets_match_hf(tiny_llama, hf_model, backend):
         budgets = press.layer_budgets(context_len, 0.5, hf_model.config.num_hidden_layers)
 
         def select(layer, keys, n):
-            order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, : budgets[layer]]
-            return order.sort(dim=-1).values
+            return _lowest_norms(keys, budgets[layer])
 
         return select
 
@@ -357,8 +361,7 @@ def test_triton_interpreter_ratio_zero_and_compaction_match_hf(tiny_llama, hf_mo
         budgets = press.layer_budgets(context_len, 0.5, hf_model.config.num_hidden_layers)
 
         def select(layer, keys, n):
-            order = keys.float().norm(dim=-1).argsort(dim=-1, stable=True)[:, : budgets[layer]]
-            return order.sort(dim=-1).values
+            return _lowest_norms(keys, budgets[layer])
 
         return select
 

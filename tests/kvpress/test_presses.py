@@ -487,3 +487,13 @@ def test_check_budget_rejects_values_outside_zero_one_naming_the_field(value):
 
 def test_check_budget_accepts_kept_fractions():
     assert check_budget(1) == 1.0 and check_budget(0.25) == 0.25
+
+
+def test_ties_keep_the_newest_tokens():
+    """Equal scores (a press's +inf for what it always keeps, cut by a small budget) keep
+    the later tokens: snapkv with a budget under its window keeps the newest ones."""
+    layer = make_layer(60, 32)
+    kept = SnapKVPress(window_size=32).select(layer, 10)
+    assert kept.tolist() == [list(range(50, 60))] * kept.shape[0]
+    flat = KnormPress().select(make_layer(20, keys=torch.ones(KV_HEADS, 20, HEAD_DIM)), 5)
+    assert flat.tolist() == [list(range(15, 20))] * KV_HEADS
