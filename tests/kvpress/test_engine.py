@@ -339,6 +339,7 @@ def test_swap_preemption_recomputes_compressed_requests(tiny_llama):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow  # about 25 s: nine engines in Triton's interpreter
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above run triton")
 def test_triton_interpreter_ratio_zero_and_compaction_match_hf(tiny_llama, hf_model):
@@ -346,8 +347,10 @@ def test_triton_interpreter_ratio_zero_and_compaction_match_hf(tiny_llama, hf_mo
     as the other backends do: identity at ratio 0, and knorm / pyramid(knorm) against HF."""
     prompts = _prompts(_vocab(tiny_llama), (21, 30))
     plain = _generate(_llm(tiny_llama, "triton"), prompts, max_tokens=6)
-    llm = _llm(tiny_llama, "triton", kv_press="snapkv", kv_press_config={"compression_ratio": 0.0})
-    assert _generate(llm, prompts, max_tokens=6) == plain
+    for press in PRESSES:
+        llm = _llm(tiny_llama, "triton", kv_press=press,
+                   kv_press_config={"compression_ratio": 0.0})
+        assert _generate(llm, prompts, max_tokens=6) == plain, press
     llm = _llm(tiny_llama, "triton", kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
     _checked(llm)
     expected = [hf_greedy_with_eviction(hf_model, p, 6, _knorm_keep(0.5)) for p in prompts]
