@@ -190,13 +190,18 @@ class Scheduler(Lifecycle):
                 entries.append(self._entry(request, num_new, new_row=False))
                 budget -= num_new
 
+        pressed: set[str] = set()
+        if self.press is not None and entries and not self._errors:
+            # Compactions of running requests reserve their blocks before admission: each
+            # gives back more than it takes, so they go first when blocks are short.
+            self._press_steps(entries, pressed)
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
             budget = self._admit(entries, budget, preempted, now)
         if drafting and not preempted and not self._errors:
             self._extend(entries, drafting, budget)
-        if self.press is not None and entries and not self._errors:
-            self._press_steps(entries)
+        if self.press is not None and len(entries) > len(pressed) and not self._errors:
+            self._press_steps(entries, pressed)  # the admitted requests'
         freed = self._rows.drain_released()
         return ScheduledBatch(
             entries=tuple(entries),
@@ -207,11 +212,14 @@ class Scheduler(Lifecycle):
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
         )
 
-    def _press_steps(self, entries: list[ScheduledRequest]) -> None:
-        """Each entry's KV press capture and compaction (reserving the compaction's
-        blocks last, after every running request and admission got theirs)."""
+    def _press_steps(self, entries: list[ScheduledRequest], done: set[str]) -> None:
+        """The KV press's capture and compaction of the entries not in ``done`` (their ids
+        join it; a compaction's blocks are reserved after every running request grew)."""
         press = self.press
         for i, entry in enumerate(entries):
+            if entry.request_id in done:
+                continue
+            done.add(entry.request_id)
             request = self._scheduled[entry.request_id]
             try:
                 step = press.step(request, entry.start, entry.start + len(entry.token_ids), self.kv)
