@@ -19,7 +19,6 @@ their original order and the keys carry their rotary positions.
 
 from __future__ import annotations
 
-import logging
 import zlib
 from typing import Any
 
@@ -28,11 +27,8 @@ import numpy as np
 import torch
 
 from llmlab.attention.backend import token_slots
-from llmlab.errors import component_name
 from llmlab.kvpress.base import KVPress, PressInput
 from llmlab.scheduler.batch import CompactionResult, ScheduledRequest
-
-logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -139,12 +135,8 @@ class PressRunner:
             try:
                 results[i] = self._compact_row(entry, table, kv_caches)
             except Exception as err:  # noqa: BLE001 - the press is user code: this row only
-                detail = f"{type(err).__name__}: {err}"
-                logger.warning(
-                    "kv_press %s failed for request %r (it continues uncompressed): %s",
-                    component_name(self.press), entry.request_id, detail,
-                )
-                results[i] = CompactionResult(error=f"{component_name(self.press)}: {detail}")
+                # Reported (logged, in the step event) by the scheduler, which applies it.
+                results[i] = CompactionResult(error=f"{type(err).__name__}: {err}")
             else:
                 # The row's KV moved: the next step's entry brings its new table; a
                 # backend's per-row copy (the CPU decode mirror) is stale.
