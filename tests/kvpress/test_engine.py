@@ -387,3 +387,21 @@ def test_queries_kept_across_prefill_chunks_and_prefix_hits(tiny_llama, press):
     assert again == whole
     hits = sum(a.num_cached_tokens for e in events for a in e.admitted)
     assert hits > 0 if press != "h2o" else hits == 0  # h2o reads every prompt query
+
+
+def test_the_command_line_takes_a_press_and_refuses_a_bad_one(tiny_llama, capsys):
+    from llmlab.cli import main
+
+    args = ["generate", "Hi there, how are you", "--model", tiny_llama, "--max-tokens", "4",
+            "--dtype", "float32"]
+    assert main([*args, "--kv-press", "knorm", "--kv-press-config",
+                 '{"compression_ratio": 0.0}']) == 0
+    pressed = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == pressed  # ratio 0 keeps everything
+    assert main([*args, "--kv-press", "knorm", "--kv-press-config",
+                 '{"compression_ratio": 2}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compression_ratio" in err[0], err
+    assert main([*args, "--kv-press-config", '{"compression_ratio": 0.5}']) == 2
+    assert "kv_press" in capsys.readouterr().err
