@@ -133,6 +133,8 @@ class KVCacheManager:
     # Fresh blocks reserved for a KV press's compaction in flight, per request
     # (llmlab.kvpress): they replace its table if the executor compacts it, else go back.
     _compacting: dict[str, list[int]] = attrs.field(init=False, factory=dict, repr=False)
+    # ... or, in a full pool, how many of its own first blocks it compacts into.
+    _in_place: dict[str, int] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self._initial_eviction, on_drop=self._forget)
@@ -311,7 +313,10 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Index the request's blocks that became full of computed KV (never a compacted
         request's: its blocks hold a selection of its tokens, not a prefix)."""
-        if not self.enable_prefix_caching or request.kv_compressed:
+        if (
+            not self.enable_prefix_caching or request.kv_compressed
+            or request.request_id in self._in_place  # about to be rewritten
+        ):
             return
         rid = request.request_id
         table = self._tables.get(rid)
@@ -418,21 +423,37 @@ class KVCacheManager:
 
     # -- KV press compaction (llmlab.kvpress) ---------------------------------------------
 
-    def begin_compaction(self, request: Request, num_blocks: int) -> tuple[int, ...] | None:
-        """Reserve ``num_blocks`` fresh blocks for the request's kept tokens (the executor
-        moves them there after this step's forward). None when the pool has too few free
-        blocks now (nothing reserved; try again later). Fresh blocks, never the request's
-        own: those may be shared with other requests or indexed as full-fidelity prefixes,
-        and stay valid until :meth:`commit_compaction`."""
+    def begin_compaction(
+        self, request: Request, num_blocks: int
+    ) -> tuple[tuple[int, ...], bool] | None:
+        """Blocks for the request's kept tokens (the executor moves them there after this
+        step's forward): ``(blocks, in_place)``, or None (nothing reserved; try later).
+
+        Fresh blocks when the pool has them: the request's own may be shared with other
+        requests or indexed as full-fidelity prefixes, and stay valid until
+        :meth:`commit_compaction`. When it has too few (a full pool, where compaction
+        matters most), the request's own first ``num_blocks`` blocks, if it alone holds
+        every one of its blocks: they leave the prefix index now, so no request can share
+        what is about to be rewritten (``in_place``)."""
         rid = request.request_id
-        if rid in self._compacting:
+        if rid in self._compacting or rid in self._in_place:
             raise ValueError(f"request {rid!r} already has a compaction in flight")
-        if num_blocks < 1 or num_blocks > self.pool.num_free_blocks:
+        if num_blocks < 1:
             return None
-        ids = self.pool.allocate(num_blocks)[0]
-        self._compacting[rid] = list(ids)
-        self._log["allocated"].extend(ids)
-        return tuple(ids)
+        if num_blocks <= self.pool.num_free_blocks:
+            ids = self.pool.allocate(num_blocks)[0]
+            self._compacting[rid] = list(ids)
+            self._log["allocated"].extend(ids)
+            return tuple(ids), False
+        table = self._tables.get(rid, [])
+        if num_blocks > len(table) or (self.pool.ref_counts[table] != 1).any():
+            return None
+        indexed = [b for b in table if self.pool.cached[b]]
+        if indexed:
+            self.pool.drop_cached(indexed)
+        self._num_indexed[rid] = 0
+        self._in_place[rid] = num_blocks
+        return tuple(table[:num_blocks]), True
 
     def commit_compaction(self, request: Request) -> None:
         """The executor compacted the request into its reserved blocks: they become its
@@ -440,8 +461,12 @@ class KVCacheManager:
         cache: their KV was computed before compaction and is exact). The request's
         blocks are never indexed from now on (``request.kv_compressed``)."""
         rid = request.request_id
-        targets = self._compacting.pop(rid)
         old = self._tables.get(rid, [])
+        if rid in self._in_place:  # the kept tokens are in its first blocks: drop the rest
+            num_kept = self._in_place.pop(rid)
+            targets, old = old[:num_kept], old[num_kept:]
+        else:
+            targets = self._compacting.pop(rid)
         self._tables[rid] = targets
         self._num_indexed.pop(rid, None)
         self._changed(rid, 0)
@@ -452,6 +477,9 @@ class KVCacheManager:
     def cancel_compaction(self, request: Request) -> None:
         """Give back the blocks reserved for a compaction that did not happen (the press
         failed, the step failed, or the request ended first)."""
+        # In place: nothing was written (the executor selects every layer before it writes
+        # any), so the blocks hold what they held; they only left the prefix index.
+        self._in_place.pop(request.request_id, None)
         targets = self._compacting.pop(request.request_id, None)
         if targets:
             self._release(targets[::-1])
@@ -459,6 +487,7 @@ class KVCacheManager:
     def cancel_compactions(self) -> None:
         """Give back every reservation still in flight (a step failed before its outputs
         were applied): the scheduler plans them again."""
+        self._in_place.clear()
         for rid in list(self._compacting):
             targets = self._compacting.pop(rid)
             self._release(targets[::-1])

@@ -155,7 +155,9 @@ class PressRunner:
         shift = entry.kv_layer_shift or (0,) * self.num_layers
         targets = np.asarray(step.targets, dtype=np.int64)[None, :]
         queries = self._queries.get(entry.row)
-        before, kept = [], []
+        before, kept, moves = [], [], []
+        # Every layer is selected before any is written: a press that fails on a later
+        # layer leaves the row as it was (in place, its own blocks are the targets).
         for layer, cache in enumerate(kv_caches):
             n = held - shift[layer]
             budget = step.budgets[layer]
@@ -174,14 +176,13 @@ class PressRunner:
             )
             index = self.press.select(press_input, budget)
             _check_selection(index, keys.shape[0], n, min(budget, n), layer)
-            k = int(index.shape[1])
-            dst = torch.from_numpy(token_slots(targets, 0, np.arange(k), bs)).to(device)
             gather = index.to(device)[..., None].expand(-1, -1, keys.shape[-1])
-            self.backend.scatter_slots(
-                cache, dst, keys.gather(1, gather), values.gather(1, gather), bs
-            )
+            moves.append((keys.gather(1, gather), values.gather(1, gather)))
             before.append(n)
-            kept.append(k)
+            kept.append(int(index.shape[1]))
+        for cache, (keys, values), k in zip(kv_caches, moves, kept, strict=True):
+            dst = torch.from_numpy(token_slots(targets, 0, np.arange(k), bs)).to(cache.device)
+            self.backend.scatter_slots(cache, dst, keys, values, bs)
         return CompactionResult(tuple(before), tuple(kept))
 
 

@@ -10,7 +10,8 @@ scheduler asks :meth:`PressSchedule.step` for a :class:`~llmlab.scheduler.batch.
   whole context (``kv_keep`` of it), capped at what each layer holds;
 * it keeps the queries of the last ``press.query_span`` positions before that point;
 * the kept tokens go to fresh blocks reserved here (``KVCacheManager.begin_compaction``);
-  when the pool has none free now, the compaction waits for a later step.
+  in a full pool, to the request's own first blocks when it alone holds them (they leave
+  the prefix index first); else the compaction waits for a later step.
 """
 
 from __future__ import annotations
@@ -135,12 +136,13 @@ class PressSchedule:
         budgets = self._budgets(request, end)
         if budgets is None:
             return None
-        targets = kv.begin_compaction(request, kv.blocks_needed(max(budgets)))
-        if targets is None:  # no free blocks now: keep capturing, compact later
+        reserved = kv.begin_compaction(request, kv.blocks_needed(max(budgets)))
+        if reserved is None:  # no blocks now: keep capturing, compact later
             return PressStep(capture_from=capture_from, window=window) if window else None
+        targets, in_place = reserved
         return PressStep(
             capture_from=capture_from, budgets=budgets, targets=targets, context_len=end,
-            is_prompt=not request.kv_compressed, window=window,
+            is_prompt=not request.kv_compressed, window=window, in_place=in_place,
         )
 
     def _budgets(self, request: Request, end: int) -> tuple[int, ...] | None:

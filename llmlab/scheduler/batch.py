@@ -90,6 +90,9 @@ class PressStep(NamedTuple):
         context_len: the request's context after this step (what the budgets count).
         is_prompt: the compaction follows the prompt (else a periodic one).
         window: how many recent queries to keep per row (-1: every captured one).
+        in_place: ``targets`` are the row's own first blocks (a full pool): the executor
+            selects every layer's tokens before it writes any, so a failure leaves them
+            as they were.
     """
 
     capture_from: int = -1
@@ -98,6 +101,7 @@ class PressStep(NamedTuple):
     context_len: int = 0
     is_prompt: bool = True
     window: int = 0
+    in_place: bool = False
 
 
 class CompactionResult(NamedTuple):

@@ -405,3 +405,80 @@ def test_the_command_line_takes_a_press_and_refuses_a_bad_one(tiny_llama, capsys
     assert len(err) == 1 and "compression_ratio" in err[0], err
     assert main([*args, "--kv-press-config", '{"compression_ratio": 0.5}']) == 2
     assert "kv_press" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_pool_compacts_in_place(tiny_llama, backend):
+    """No free blocks for the kept tokens: the request compacts into its own first blocks
+    (it alone holds them) and gives the rest back, with the tokens of a roomy pool."""
+    prompt = _prompts(_vocab(tiny_llama), (110,))[0]
+    config = {"compression_ratio": 0.5}
+    roomy = _generate(_llm(tiny_llama, backend, kv_press="knorm", kv_press_config=config),
+                      [prompt])
+    llm = _llm(tiny_llama, backend, kv_press="knorm", kv_press_config=config,
+               num_gpu_blocks_override=16, max_model_len=128)
+    events = _checked(llm)
+    assert _generate(llm, [prompt]) == roomy
+    step = next(e for e in events if e.kv_compacted)
+    assert len(step.blocks_allocated) == -(-110 // 8)  # the prompt's: no fresh targets
+    table = dict(step.block_tables)[step.scheduled[0][0]]
+    assert len(table) == -(-kept_count(110, 0.5) // 8) and len(step.blocks_freed) > 0
+    assert_no_leaks(llm)
+
+
+def test_in_place_compaction_only_for_blocks_the_request_alone_holds():
+    """The cache manager's side: fresh blocks while the pool has them; in a full pool the
+    request's own first blocks, de-indexed at once, only if no other request holds any of
+    its blocks; cancel keeps the table, commit gives the tail back."""
+    from llmlab.cache.kv_cache_manager import KVCacheManager
+    from tests.helpers import make_request
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(range(1, 25))  # 24 tokens: 6 blocks
+    assert kv.allocate(a, 24)
+    a.num_computed_tokens = 24
+    kv.cache_computed_blocks(a)
+    b = make_request(range(1, 9))
+    assert kv.lookup_prefix(b) == list(kv.block_table(a.request_id)[:1])
+    assert kv.allocate(b, 1, kv.lookup_prefix(b))  # b shares a's first block
+    assert kv.begin_compaction(a, 3) is None  # 1 free block, and a block is shared
+    kv.free(b)
+    table = kv.block_table(a.request_id)
+    assert kv.begin_compaction(a, 3) == (table[:3], True)
+    assert not kv.pool.cached[list(table)].any()  # nobody can hit what is rewritten
+    assert kv.lookup_prefix(make_request(range(1, 9))) == []
+    kv.check()
+    kv.cancel_compaction(a)
+    assert kv.block_table(a.request_id) == table
+    assert kv.begin_compaction(a, 3) == (table[:3], True)
+    kv.commit_compaction(a)
+    assert kv.block_table(a.request_id) == table[:3] and kv.num_free_blocks == 5
+    kv.check()
+    c = make_request(range(30, 34))
+    assert kv.allocate(c, 4)
+    targets, in_place = kv.begin_compaction(c, 2)  # 4 free: fresh ones
+    assert not in_place and not set(targets) & set(kv.block_table(c.request_id))
+    kv.check()
+    kv.free(c)
+    kv.free(a)
+    assert kv.num_free_blocks == 8
+    kv.check()
+
+
+@pytest.mark.parametrize("press", ["knorm", "snapkv"])
+def test_a_tight_pool_with_shared_prefixes_stays_consistent(tiny_llama, press):
+    """Prompts sharing prefixes, chunked prefill and a pool too small for them: fresh and
+    in-place compactions, waits and preemptions; check() after every step, every request
+    finishes, nothing leaks."""
+    rng = random.Random(3)
+    vocab = _vocab(tiny_llama)
+    stems = [rng.sample(range(3, vocab), 40) for _ in range(2)]
+    prompts = [stems[i % 2] + rng.sample(range(3, vocab), 5 + i) for i in range(8)]
+    llm = _llm(tiny_llama, kv_press=press, kv_press_config={"compression_ratio": 0.5},
+               num_gpu_blocks_override=20, max_model_len=96, max_num_batched_tokens=40)
+    events = _checked(llm)
+    got = _generate(llm, prompts, max_tokens=20)
+    assert all(len(g) == 20 for g in got)
+    assert sum(1 for e in events for a in e.admitted if a.num_cached_tokens) >= 1
+    assert sum(1 for e in events for c in e.kv_compacted if c.error is None) >= len(prompts)
+    assert_no_leaks(llm)
