@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import random
 import sys
@@ -40,6 +39,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import torch
+
+# The built-in model's schedule (linear warmup, cosine down to final_lr_fraction of the peak),
+# read from any settings with peak_lr, warmup_steps, steps and final_lr_fraction.
+from llmlab.builtin.train import learning_rate
 
 BOS_ID, EOS_ID, KEY_ID, ASK_ID = 0, 1, 2, 3
 NUM_KEYS = 64
@@ -279,15 +282,6 @@ def make_model(seed: int):
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
-
-
-def learning_rate(step: int, settings: TrainSettings) -> float:
-    """Linear warmup, then cosine down to ``final_lr_fraction`` of the peak."""
-    if step < settings.warmup_steps:
-        return settings.peak_lr * (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-    floor = settings.final_lr_fraction
-    return settings.peak_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def weighted_loss(model, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -116,26 +116,9 @@ class PressInput:
         queries over the cached keys, causal: the ``i``-th of ``q`` recent queries belongs
         to the token at cache index ``num_tokens - q + i`` and sees keys up to it.
         Computed once per layer, on first use."""
-        if self._attention:
-            return self._attention[0]
-        if self.queries is None:
-            raise ValueError(
-                "this press asked for attention but has no queries: give it a query_window"
-            )
-        q = self.queries.float()
-        k = self.keys.float()
-        heads, n_q, _ = q.shape
-        group = heads // k.shape[0]
-        k = k.repeat_interleave(group, dim=0) if group > 1 else k
-        logits = torch.einsum("hqd,hkd->hqk", q, k) * self.scale
-        n = k.shape[1]
-        first = n - n_q  # cache index of the first recent query's own token
-        key_pos = torch.arange(n, device=q.device)
-        query_pos = first + torch.arange(n_q, device=q.device)
-        logits = logits.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
-        self._attention.append(weights)
-        return weights
+        if not self._attention:
+            self._attention.append(self._weights(0, self.num_queries))
+        return self._attention[0]
 
     def attention_sum(self, chunk: int = 256) -> torch.Tensor:
         """``[num_heads, num_tokens]`` float32: :meth:`attention` summed over the recent
@@ -143,25 +126,29 @@ class PressInput:
         (H2O) never holds a ``[heads, queries, tokens]`` tensor."""
         if self._attention:
             return self._attention[0].sum(dim=1)
+        total = self._weights(0, min(chunk, self.num_queries)).sum(dim=1)
+        for lo in range(chunk, self.num_queries, chunk):
+            total += self._weights(lo, min(lo + chunk, self.num_queries)).sum(dim=1)
+        return total
+
+    def _weights(self, lo: int, hi: int) -> torch.Tensor:
+        """Causal softmax weights ``[num_heads, hi - lo, num_tokens]`` of recent queries
+        ``lo .. hi - 1``."""
         if self.queries is None:
             raise ValueError(
                 "this press asked for attention but has no queries: give it a query_window"
             )
-        q_all = self.queries.float()
+        q = self.queries[:, lo:hi].float()
         k = self.keys.float()
-        heads, n_q, _ = q_all.shape
-        group = heads // k.shape[0]
+        group = q.shape[0] // k.shape[0]
         k = k.repeat_interleave(group, dim=0) if group > 1 else k
+        logits = torch.einsum("hqd,hkd->hqk", q, k) * self.scale
         n = k.shape[1]
-        key_pos = torch.arange(n, device=k.device)
-        total = torch.zeros(heads, n, dtype=torch.float32, device=k.device)
-        for lo in range(0, n_q, chunk):
-            q = q_all[:, lo : lo + chunk]
-            logits = torch.einsum("hqd,hkd->hqk", q, k) * self.scale
-            query_pos = n - n_q + lo + torch.arange(q.shape[1], device=k.device)
-            logits.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-            total += torch.softmax(logits, dim=-1).sum(dim=1)
-        return total
+        key_pos = torch.arange(n, device=q.device)
+        # the i-th recent query is the token at cache index n - num_queries + i
+        query_pos = n - self.num_queries + lo + torch.arange(hi - lo, device=q.device)
+        logits.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        return torch.softmax(logits, dim=-1)
 
     def per_kv_head(self, scores: torch.Tensor) -> torch.Tensor:
         """Average ``[num_heads, ...]`` scores over the query heads that share each KV head
