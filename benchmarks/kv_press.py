@@ -22,21 +22,40 @@ prompts, in the same process:
      from early in the context: the reference continues the copy, so it needs that span.
 
 2. Needle retrieval (needle model): a long context with four ``KEY kI tJ`` needles at
-   spread depths, compressed after the prompt; the question ``ASK kI`` is then forced token
-   by token and the next token must be the needle's value. The press never sees the
-   question (query-agnostic compression, as when a cached document serves later questions).
+   spread depths; the answer is the needle's value ``tJ``, scored as the argmax after the
+   question ``ASK kI``, teacher-forced. Two variants:
+
+   * *question after compression* (``after``): the prompt is the context alone; after its
+     compaction the question is forced token by token and the next token is scored. The
+     press never sees the question (query-agnostic, as when a cached document serves later
+     questions).
+   * *question known at compression* (``known``): the prompt ends with the question, so a
+     query-aware press (snapkv, tova, h2o) chooses what to keep with the question's queries
+     in its window. The first output comes from the uncompressed prefill and is not scored:
+     it is forced to ``ASK``, the question asked again token by token, and the token after
+     ``ASK kI``, predicted from the compressed cache, is scored. The forced tokens are the
+     same as in ``after``; only the prompt differs. (Forcing the answer first would leave a
+     copy of it in the uncompressed tail: with the needle masked out of the context,
+     transformers still answers 78% of the repeated question. A filler token there instead
+     becomes a second value of ``kI`` to copy: knorm, which does not read queries, fell from
+     0.28 to 0.09 at ratio 0.25.)
 
 3. Memory and throughput at a fixed KV pool (needle model): N long-prompt requests with
-   moderate outputs in a pool that holds a few of them uncompressed, one prompt's worth of
-   new tokens per step (else the admissions take every free block and no compaction finds
-   the fresh blocks it needs). Reported per press and ratio: peak concurrently running
-   requests and peak KV usage (``StepEvent``), compactions and the blocks they freed
-   (``StepEvent.kv_compacted``), preemptions, output tokens/s, and the ratios over no
-   press.
+   moderate outputs in a pool that holds a few of them uncompressed, at the engine's default
+   step budget (2,048 new tokens on CPU: two prompts a step). Reported per press and ratio:
+   peak concurrently running requests and peak KV usage (``StepEvent``), compactions and the
+   blocks they freed (``StepEvent.kv_compacted``), preemptions, output tokens/s (the fastest
+   of ``pool_repeats`` runs) and the ratios over no press. This part used to need one prompt
+   per step, or the admissions took every free block and no compaction found fresh ones;
+   now a running request's compaction reserves its blocks before the step's admissions, and
+   in a full pool a request alone on its blocks compacts in place
+   (:mod:`llmlab.kvpress.schedule`). Run both ways, the default budget and
+   ``--pool-batched-tokens 1024`` compact every request and free the same blocks, with the
+   same peak running (1.25x to 3.25x no press's), so the default is kept.
 
-``--plot out.png`` draws agreement (and needle accuracy) against the compression ratio, one
-line per press. ``--json out.json`` writes every number. ``--quick`` (two presses, one
-ratio, few and shorter prompts) is the smoke run the tests use.
+``--plot out.png`` draws agreement (both models) and needle accuracy (both variants)
+against the compression ratio, one line per press. ``--json out.json`` writes every number.
+``--quick`` (two presses, one ratio, few and shorter prompts) is the smoke run the tests use.
 
 Run: ``python -m benchmarks.kv_press [--quick] [--presses snapkv,knorm] [--ratios 0.5]
 [--press-config streaming_llm='{"window": 64}'] [--plot out.png] [--json out.json]``.
@@ -84,13 +103,14 @@ class Settings:
     pool_prompt_len: int = 1024
     pool_output_len: int = 64
     pool_room: int = 4  # the pool holds this many uncompressed requests
+    pool_repeats: int = 3  # timed runs per press and ratio (the fastest is reported)
 
 
 QUICK = Settings(
     story_prompts=2, story_prompt_len=128, story_tokens=16,
     copy_prompts=2, copy_prompt_len=384, copy_span=24,
     needle_prompts=4, needle_prompt_len=384,
-    pool_requests=6, pool_prompt_len=256, pool_output_len=16, pool_room=2,
+    pool_requests=6, pool_prompt_len=256, pool_output_len=16, pool_room=2, pool_repeats=1,
 )
 
 
@@ -214,6 +234,27 @@ def needle_questions(settings: Settings, seed: int = 20) -> list[needle.NeedlePr
             for i in range(n)]
 
 
+# The needle variants (module docstring, part 2), in report order.
+VARIANTS = {
+    "after": "question after compression",
+    "known": "question known at compression",
+}
+
+
+def needle_runs(
+    needles: Sequence[needle.NeedlePrompt], variant: str
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, references) of one variant. The references are the same in both: the
+    question ``ASK kI`` (forced; its first token is the unscored first output), then the
+    answer, scored. Only the prompt differs: the context alone, or the context and the
+    question (asked again after the compaction)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    cut = -2 if variant == "after" else None
+    return ([n.token_ids[:cut] for n in needles],
+            [n.token_ids[-2:] + [n.answer_id] for n in needles])
+
+
 # ---------------------------------------------------------------------------- engines
 
 
@@ -258,31 +299,44 @@ def quality_sweep(
     needles: list[needle.NeedlePrompt] | None = None,
 ) -> tuple[dict, list[dict], list[dict]]:
     """Baseline, then every press at every ratio (one engine per press, the ratios as
-    per-request budgets in one batch). Returns (baseline, quality rows, needle rows)."""
-    max_prompt = max(len(p) for p in prompts + [n.token_ids for n in needles or []])
-    max_len = max_prompt + num_tokens
-    rows_per_run = len(prompts) + len(needles or [])
+    per-request budgets in one batch). Returns (baseline, quality rows, needle rows: one
+    per press, ratio and variant)."""
+    # Each run is the quality prompts, then each needle variant's prompts, in that order.
+    groups: list[tuple[str, list[list[int]], list[list[int]]]] = []
+    for variant in VARIANTS if needles else ():
+        groups.append((variant, *needle_runs(needles, variant)))
+    run_prompts = prompts + [p for _, ps, _ in groups for p in ps]
+    rows_per_run = len(run_prompts)
+    longest_ref = max([num_tokens] + [len(r) for _, _, refs in groups for r in refs])
+    max_len = max(len(p) for p in run_prompts) + longest_ref
     # Room for every request of the largest batch at once, plus the compaction targets.
     num_blocks = 2 * (len(args.ratios) + 1) * rows_per_run * blocks_for(max_len) + 8
     kwargs = engine_kwargs(args, num_blocks, max_len, (len(args.ratios) + 1) * rows_per_run)
 
-    needle_prompts = [n.token_ids[:-2] for n in needles or []]  # the context, no question
-    needle_refs = [n.token_ids[-2:] + [n.answer_id] for n in needles or []]
-
     llm = press_engine(model, None, args, **kwargs)
     references = greedy(llm, prompts, num_tokens)
-    base_processors = forced_run(llm, prompts + needle_prompts, references + needle_refs,
-                                 [None] * rows_per_run)
+    run_refs = references + [r for _, _, refs in groups for r in refs]
+    base_processors = forced_run(llm, run_prompts, run_refs, [None] * rows_per_run)
     del llm
     free_memory()
-    base = Quality.of(base_processors[: len(prompts)])
+
+    def split(chunk: list[TeacherForcing]) -> dict[str, list[TeacherForcing]]:
+        """One run's processors by group: ``"quality"``, then each variant."""
+        parts, at = {"quality": chunk[: len(prompts)]}, len(prompts)
+        for variant, ps, _ in groups:
+            parts[variant], at = chunk[at : at + len(ps)], at + len(ps)
+        return parts
+
+    base_parts = split(base_processors)
+    base = Quality.of(base_parts["quality"])
     baseline = {"model": name, "agreement": base.agreement, "perplexity": base.perplexity,
                 "num_tokens": base.num_tokens}
     if needles:
-        baseline["needle_accuracy"] = needle_accuracy(base_processors[len(prompts):])
+        baseline["needle_accuracy"] = {v: needle_accuracy(base_parts[v]) for v, _, _ in groups}
     print(f"  {name}: baseline perplexity {base.perplexity:.4f} over {base.num_tokens} "
           f"tokens, self-agreement {base.agreement:.3f}"
-          + (f", needle accuracy {baseline['needle_accuracy']:.3f}" if needles else ""),
+          + "".join(f", needle accuracy ({v}) {a:.3f}"
+                    for v, a in baseline.get("needle_accuracy", {}).items()),
           flush=True)
 
     ratios = [0.0, *args.ratios]
@@ -290,27 +344,23 @@ def quality_sweep(
     for press in args.presses:
         start = time.perf_counter()
         llm = press_engine(model, press, args, **kwargs)
-        all_prompts, all_refs, budgets = [], [], []
-        for ratio in ratios:
-            all_prompts += prompts + needle_prompts
-            all_refs += references + needle_refs
-            budgets += [budget_of(ratio)] * rows_per_run
-        processors = forced_run(llm, all_prompts, all_refs, budgets)
+        budgets = [budget_of(r) for r in ratios for _ in range(rows_per_run)]
+        processors = forced_run(llm, run_prompts * len(ratios), run_refs * len(ratios), budgets)
         del llm
         free_memory()
         for k, ratio in enumerate(ratios):
-            chunk = processors[k * rows_per_run : (k + 1) * rows_per_run]
-            q = Quality.of(chunk[: len(prompts)])
+            parts = split(processors[k * rows_per_run : (k + 1) * rows_per_run])
+            q = Quality.of(parts["quality"])
             quality_rows.append({
                 "model": name, "press": press, "compression_ratio": ratio,
                 "kv_budget": budget_of(ratio), "agreement": q.agreement,
                 "perplexity": q.perplexity, "perplexity_ratio": q.perplexity / base.perplexity,
                 "num_tokens": q.num_tokens,
             })
-            if needles:
+            for variant, _, _ in groups:
                 needle_rows.append({
-                    "press": press, "compression_ratio": ratio, "kv_budget": budget_of(ratio),
-                    "accuracy": needle_accuracy(chunk[len(prompts):]),
+                    "variant": variant, "press": press, "compression_ratio": ratio,
+                    "kv_budget": budget_of(ratio), "accuracy": needle_accuracy(parts[variant]),
                 })
         print(f"  {name}: {press} done in {time.perf_counter() - start:.1f} s", flush=True)
     return baseline, quality_rows, needle_rows
@@ -325,30 +375,34 @@ def needle_accuracy(processors: Sequence[TeacherForcing]) -> float:
 # ---------------------------------------------------------------------------- part 3
 
 
+def pool_prompts(settings: Settings, seed: int) -> list[list[int]]:
+    """``pool_requests`` prompts of ``<s>`` and random filler (no shared prefix)."""
+    rng = random.Random(seed)
+    return [[needle.BOS_ID] + [needle.FIRST_FILLER_ID + rng.randrange(needle.NUM_FILLER)
+                               for _ in range(settings.pool_prompt_len - 1)]
+            for _ in range(settings.pool_requests)]
+
+
 def pool_run(model: str, press: str | None, ratio: float, args) -> dict:
     """N long-prompt requests through a pool that holds ``pool_room`` of them
-    uncompressed; what the step events say about the run."""
+    uncompressed; what the step events say about the run. Timed ``pool_repeats`` times on
+    fresh prompts (no prefix hits), the fastest kept: a run lasts seconds, and a busy
+    machine's noise would swamp the differences."""
     s = args.settings
     per_request = blocks_for(s.pool_prompt_len + s.pool_output_len)
     kwargs = engine_kwargs(args, s.pool_room * per_request + 2,
                            s.pool_prompt_len + s.pool_output_len, s.pool_requests)
-    # One prompt's worth of new tokens per step. A compaction reserves its fresh blocks after
-    # the step's admissions took theirs (llmlab.kvpress.schedule); admitting every prompt at
-    # once would leave a full pool none, and no request would ever be compacted.
-    kwargs["max_num_batched_tokens"] = s.pool_prompt_len
+    # The engine's default step budget unless asked (see the module docstring, part 3).
+    if args.pool_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.pool_batched_tokens
     llm = press_engine(model, press, args, **kwargs)
     extra = None if press is None else {"kv_budget": budget_of(ratio)}
-    rng = random.Random(30)
-    prompts = [[needle.BOS_ID] + [needle.FIRST_FILLER_ID + rng.randrange(needle.NUM_FILLER)
-                                  for _ in range(s.pool_prompt_len - 1)]
-               for _ in range(s.pool_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=s.pool_output_len, ignore_eos=True,
                             extra_args=extra)
     # Warm-up outside the measurement (first-call costs), on other prompts.
-    llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:2]],
+    llm.generate([{"prompt_token_ids": p[::-1]} for p in pool_prompts(s, 29)[:2]],
                  SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
-    seen = {"peak_running": 0, "peak_kv_usage": 0.0, "compactions": 0, "press_errors": 0,
-            "blocks_freed_by_compaction": 0, "tokens_dropped": 0, "preemptions": 0}
+    seen: dict = {}
 
     def observe(event) -> None:
         seen["peak_running"] = max(seen["peak_running"], event.num_running)
@@ -365,17 +419,28 @@ def pool_run(model: str, press: str | None, ratio: float, args) -> dict:
             )
 
     engine = llm.llm_engine
+    batched_tokens = engine.config.max_num_batched_tokens
     engine.subscribe(observe)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    counters, timings = None, []
+    for repeat in range(s.pool_repeats):
+        seen.update(peak_running=0, peak_kv_usage=0.0, compactions=0, press_errors=0,
+                    blocks_freed_by_compaction=0, tokens_dropped=0, preemptions=0)
+        prompts = pool_prompts(s, 30 + repeat)
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        timings.append(time.perf_counter() - start)
+        # Every repeat has the same lengths, so the same schedule: its counts are the first's.
+        counters = counters or dict(seen)
     engine.unsubscribe(observe)
     del llm
     free_memory()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    seconds = min(timings)
     return {"press": press or "none", "compression_ratio": ratio if press else 0.0,
-            "num_blocks": kwargs["num_gpu_blocks_override"], "seconds": seconds,
-            "output_tok_s": num_out / seconds, **seen}
+            "num_blocks": kwargs["num_gpu_blocks_override"],
+            "max_num_batched_tokens": batched_tokens, "seconds": seconds,
+            "seconds_per_repeat": timings, "output_tok_s": num_out / seconds, **counters}
 
 
 # ---------------------------------------------------------------------------- report
@@ -398,18 +463,23 @@ def print_quality(rows: list[dict], baselines: list[dict], ratios: Sequence[floa
             print(f"{press:<14}{line}")
 
 
-def print_needles(rows: list[dict], baseline: float, ratios: Sequence[float]) -> None:
-    print(f"\nneedle retrieval (question after compression; uncompressed: {baseline:.3f})")
-    print(f"{'press':<14}" + "".join(f" {'acc@' + str(r):>9}" for r in ratios))
-    for press in dict.fromkeys(r["press"] for r in rows):
-        cells = {r["compression_ratio"]: r["accuracy"] for r in rows if r["press"] == press}
-        print(f"{press:<14}" + "".join(f" {cells[r]:>9.3f}" for r in ratios))
+def print_needles(rows: list[dict], baselines: dict[str, float], ratios: Sequence[float]) -> None:
+    for variant, title in VARIANTS.items():
+        chosen = [r for r in rows if r["variant"] == variant]
+        if not chosen:
+            continue
+        print(f"\nneedle retrieval ({title}; uncompressed: {baselines[variant]:.3f})")
+        print(f"{'press':<14}" + "".join(f" {'acc@' + str(r):>9}" for r in ratios))
+        for press in dict.fromkeys(r["press"] for r in chosen):
+            cells = {r["compression_ratio"]: r["accuracy"] for r in chosen
+                     if r["press"] == press}
+            print(f"{press:<14}" + "".join(f" {cells[r]:>9.3f}" for r in ratios))
 
 
 def print_pool(rows: list[dict]) -> None:
     base = rows[0]
-    print(f"\nfixed pool of {base['num_blocks']} blocks: output tok/s and peak running vs no "
-          "press")
+    print(f"\nfixed pool of {base['num_blocks']} blocks, {base['max_num_batched_tokens']} new "
+          "tokens per step: output tok/s and peak running vs no press")
     print(f"{'press':<14} {'ratio':>5} {'tok/s':>8} {'x':>6} {'peak run':>8} {'x':>6} "
           f"{'peak kv':>7} {'compact':>7} {'freed blk':>9} {'preempt':>7} {'errors':>6}")
     for r in rows:
@@ -423,37 +493,43 @@ def print_pool(rows: list[dict]) -> None:
 PANEL_TITLES = {
     "stories": "llmlab-stories: story continuation",
     "needle": "needle-llama: span copy",
-    "needle retrieval": "needle-llama: needle retrieval",
+    **{variant: f"needle retrieval: {title}" for variant, title in VARIANTS.items()},
 }
 
 
 def plot(path: pathlib.Path, rows: list[dict], needle_rows: list[dict], baselines: list[dict],
-         needle_base: float | None) -> None:
+         needle_base: dict[str, float] | None) -> None:
+    """Agreement per model, then needle accuracy per variant, against the compression ratio;
+    one line per press (a small PNG: 100 dpi)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(b["model"], "agreement") for b in baselines]
-    if needle_rows:
-        panels.append(("needle retrieval", "accuracy"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (title, metric) in zip(axes[0], panels):
-        source = needle_rows if metric == "accuracy" else [r for r in rows if r["model"] == title]
+    panels = [(b["model"], "agreement", [r for r in rows if r["model"] == b["model"]])
+              for b in baselines]
+    panels += [(v, "accuracy", [r for r in needle_rows if r["variant"] == v])
+               for v in VARIANTS if any(r["variant"] == v for r in needle_rows)]
+    columns = min(2, len(panels))
+    lines = -(-len(panels) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), squeeze=False)
+    for ax, (title, metric, source) in zip(axes.flat, panels):
         for press in dict.fromkeys(r["press"] for r in source):
             points = sorted((r["compression_ratio"], r[metric]) for r in source
                             if r["press"] == press)
-            ax.plot(*zip(*points), marker="o", label=press)
-        if metric == "accuracy" and needle_base is not None:
-            ax.axhline(needle_base, color="grey", linestyle=":", label="no press")
-        ax.set_title(PANEL_TITLES.get(title, title))
-        ax.set_xlabel("compression ratio (fraction of the KV dropped)")
-        ax.set_ylabel(metric)
+            ax.plot(*zip(*points), marker="o", markersize=3, label=press)
+        if metric == "accuracy" and needle_base:
+            ax.axhline(needle_base[title], color="grey", linestyle=":", label="no press")
+        ax.set_title(PANEL_TITLES.get(title, title), fontsize=10)
+        ax.set_xlabel("compression ratio (fraction of the KV dropped)", fontsize=9)
+        ax.set_ylabel(metric, fontsize=9)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -485,6 +561,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default="stories,needle,pool",
                         help="which parts to run (comma-separated)")
     parser.add_argument("--needle-model", default=str(needle.DEFAULT_OUT))
+    parser.add_argument("--pool-batched-tokens", type=int, default=None, metavar="N",
+                        help="max_num_batched_tokens of the pool part (default: the "
+                             "engine's; the pool prompt length admits one prompt per step)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--plot", type=pathlib.Path, help="write the quality plot (PNG) here")
@@ -516,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     start = time.perf_counter()
     results: dict = {"settings": attrs.asdict(s), "presses": args.presses,
                      "ratios": [0.0, *args.ratios], "press_config": args.press_config,
-                     "baselines": [], "quality": [], "needle": [], "pool": []}
+                     "needle_variants": VARIANTS, "baselines": [], "quality": [], "needle": [],
+                     "pool": []}
     if "stories" in args.parts:
         tokenizer = AutoTokenizer.from_pretrained(stories_model)
         prompts = story_prompts(tokenizer, s.story_prompts, s.story_prompt_len)
@@ -530,8 +610,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
         results["baselines"].append(base)
         results["quality"] += rows
-        results["needle"] = needle_rows
-        results["needle_baseline"] = base["needle_accuracy"]
+        results["needle"] = needle_rows  # both variants (each row's "variant")
+        results["needle_baseline"] = base["needle_accuracy"]  # per variant
     if "pool" in args.parts:
         runs = [(None, 0.0)] + [(p, r) for p in args.presses for r in args.ratios]
         for press, ratio in runs:

@@ -106,6 +106,25 @@ def test_tokenizer_spells_the_token_ids():
     assert len(tokenizer) == needle.VOCAB_SIZE
 
 
+def test_needle_variants_differ_only_in_whether_the_prompt_holds_the_question():
+    """``after``: the context alone, then ``ASK kI`` and the answer. ``known``: the whole
+    prompt (question included), then the question again and the answer; the answer never
+    appears before it is scored."""
+    rng = random.Random(5)
+    needles = [needle.needle_prompt(rng, 64, depth) for depth in (0.2, 0.7)]
+    after_prompts, after_refs = kv_press.needle_runs(needles, "after")
+    known_prompts, known_refs = kv_press.needle_runs(needles, "known")
+    assert after_refs == known_refs
+    for n, after, known, ref in zip(needles, after_prompts, known_prompts, after_refs):
+        question = n.token_ids[-2:]
+        assert question[0] == needle.ASK_ID and ref == question + [n.answer_id]
+        assert known == n.token_ids and after + question == n.token_ids
+        # The answer sits in the needle only: nothing in the unscored tail gives it away.
+        assert (known + ref[:-1]).count(n.answer_id) == n.token_ids.count(n.answer_id)
+    with pytest.raises(ValueError, match="variant"):
+        kv_press.needle_runs(needles, "before")
+
+
 # ---------------------------------------------------------------------------- the checkpoint
 
 
@@ -178,15 +197,29 @@ def test_quick_run_reports_every_press_and_ratio_zero_changes_nothing(tmp_path):
     for base in results["baselines"]:
         assert base["agreement"] == 1.0  # its own greedy continuation
 
-    needles = {(r["press"], r["compression_ratio"]): r["accuracy"] for r in results["needle"]}
-    assert set(needles) == {(p, r) for p in presses for r in ratios}
-    for press in presses:
-        assert needles[press, 0.0] == results["needle_baseline"]
+    variants = list(kv_press.VARIANTS)
+    needles = {(r["variant"], r["press"], r["compression_ratio"]): r["accuracy"]
+               for r in results["needle"]}
+    assert set(needles) == {(v, p, r) for v in variants for p in presses for r in ratios}
+    assert set(results["needle_baseline"]) == set(variants)
+    for variant in variants:
+        for press in presses:
+            # Ratio 0: the compacted cache is the full one, so the same answers.
+            assert needles[variant, press, 0.0] == results["needle_baseline"][variant]
+            assert 0.0 <= needles[variant, press, 0.5] <= 1.0
+    # snapkv keeps what its window's queries attend to: with the question in that window it
+    # keeps the needle, which it cannot know to keep when the question comes after.
+    assert needles["known", "snapkv", 0.5] > needles["after", "snapkv", 0.5]
 
     pool = {(r["press"], r["compression_ratio"]): r for r in results["pool"]}
     assert set(pool) == {("none", 0.0)} | {(p, 0.5) for p in presses}
     assert pool["none", 0.0]["compactions"] == 0
+    # The engine's default step budget (2,048 on CPU): several prompts per step.
+    assert pool["none", 0.0]["max_num_batched_tokens"] > results["settings"]["pool_prompt_len"]
     for press in presses:
         row = pool[press, 0.5]
         assert row["compactions"] >= results["settings"]["pool_requests"]  # each, once or more
         assert row["blocks_freed_by_compaction"] > 0 and row["output_tok_s"] > 0
+        assert row["press_errors"] == 0
+        # Compaction frees blocks in the full pool, so more requests run at once.
+        assert row["peak_running"] > pool["none", 0.0]["peak_running"]
