@@ -45,20 +45,22 @@ prompts, in the same process:
    step budget (2,048 new tokens on CPU: two prompts a step). Reported per press and ratio:
    peak concurrently running requests and peak KV usage (``StepEvent``), compactions and the
    blocks they freed (``StepEvent.kv_compacted``), preemptions, output tokens/s (the fastest
-   of ``pool_repeats`` runs) and the ratios over no press. This part used to need one prompt
-   per step, or the admissions took every free block and no compaction found fresh ones;
-   now a running request's compaction reserves its blocks before the step's admissions, and
-   in a full pool a request alone on its blocks compacts in place
-   (:mod:`llmlab.kvpress.schedule`). Run both ways, the default budget and
-   ``--pool-batched-tokens 1024`` compact every request and free the same blocks, with the
-   same peak running (1.25x to 3.25x no press's), so the default is kept.
+   of ``pool_repeats`` rounds over every configuration, with the slowest / fastest spread)
+   and the ratios over no press. This part used to need one prompt per step, or the
+   admissions took every free block and no compaction found fresh ones; now a running
+   request's compaction reserves its blocks before the step's admissions, and in a full
+   pool a request alone on its blocks compacts in place (:mod:`llmlab.kvpress.schedule`).
+   Run both ways, the default budget and ``--pool-batched-tokens 1024`` compact every
+   request and free the same blocks, with the same peak running (1.25x to 3.25x no
+   press's), so the default is kept.
 
 ``--plot out.png`` draws agreement (both models) and needle accuracy (both variants)
 against the compression ratio, one line per press. ``--json out.json`` writes every number.
 ``--quick`` (two presses, one ratio, few and shorter prompts) is the smoke run the tests use.
 
 Run: ``python -m benchmarks.kv_press [--quick] [--presses snapkv,knorm] [--ratios 0.5]
-[--press-config streaming_llm='{"window": 64}'] [--plot out.png] [--json out.json]``.
+[--press-config streaming_llm='{"window": 64}'] [--parts stories,needle,pool]
+[--pool-batched-tokens 1024] [--plot out.png] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Settings:
     pool_prompt_len: int = 1024
     pool_output_len: int = 64
     pool_room: int = 4  # the pool holds this many uncompressed requests
-    pool_repeats: int = 3  # timed runs per press and ratio (the fastest is reported)
+    pool_repeats: int = 3  # timed rounds over every press and ratio (the fastest counts)
 
 
 QUICK = Settings(
@@ -383,11 +385,9 @@ def pool_prompts(settings: Settings, seed: int) -> list[list[int]]:
             for _ in range(settings.pool_requests)]
 
 
-def pool_run(model: str, press: str | None, ratio: float, args) -> dict:
-    """N long-prompt requests through a pool that holds ``pool_room`` of them
-    uncompressed; what the step events say about the run. Timed ``pool_repeats`` times on
-    fresh prompts (no prefix hits), the fastest kept: a run lasts seconds, and a busy
-    machine's noise would swamp the differences."""
+def pool_engine(model: str, press: str | None, ratio: float, args) -> tuple[LLM, SamplingParams]:
+    """An engine whose pool holds ``pool_room`` uncompressed requests, warmed up, and the
+    sampling parameters of its requests."""
     s = args.settings
     per_request = blocks_for(s.pool_prompt_len + s.pool_output_len)
     kwargs = engine_kwargs(args, s.pool_room * per_request + 2,
@@ -397,12 +397,19 @@ def pool_run(model: str, press: str | None, ratio: float, args) -> dict:
         kwargs["max_num_batched_tokens"] = args.pool_batched_tokens
     llm = press_engine(model, press, args, **kwargs)
     extra = None if press is None else {"kv_budget": budget_of(ratio)}
-    params = SamplingParams(temperature=0.0, max_tokens=s.pool_output_len, ignore_eos=True,
-                            extra_args=extra)
     # Warm-up outside the measurement (first-call costs), on other prompts.
     llm.generate([{"prompt_token_ids": p[::-1]} for p in pool_prompts(s, 29)[:2]],
                  SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
-    seen: dict = {}
+    return llm, SamplingParams(temperature=0.0, max_tokens=s.pool_output_len, ignore_eos=True,
+                               extra_args=extra)
+
+
+def timed_pool_run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, int, dict]:
+    """(seconds, output tokens, what the step events said) of one run of ``prompts``."""
+    seen = {"peak_running": 0, "peak_kv_usage": 0.0, "compactions": 0, "press_errors": 0,
+            "blocks_freed_by_compaction": 0, "tokens_dropped": 0, "preemptions": 0}
 
     def observe(event) -> None:
         seen["peak_running"] = max(seen["peak_running"], event.num_running)
@@ -419,28 +426,48 @@ def pool_run(model: str, press: str | None, ratio: float, args) -> dict:
             )
 
     engine = llm.llm_engine
-    batched_tokens = engine.config.max_num_batched_tokens
     engine.subscribe(observe)
-    counters, timings = None, []
-    for repeat in range(s.pool_repeats):
-        seen.update(peak_running=0, peak_kv_usage=0.0, compactions=0, press_errors=0,
-                    blocks_freed_by_compaction=0, tokens_dropped=0, preemptions=0)
-        prompts = pool_prompts(s, 30 + repeat)
-        start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        timings.append(time.perf_counter() - start)
-        # Every repeat has the same lengths, so the same schedule: its counts are the first's.
-        counters = counters or dict(seen)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
     engine.unsubscribe(observe)
-    del llm
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs), seen
+
+
+def pool_part(model: str, runs: Sequence[tuple[str | None, float]], args) -> list[dict]:
+    """N long-prompt requests through a pool that holds ``pool_room`` of them uncompressed,
+    per (press, ratio) of ``runs``; what the step events say about each.
+
+    Timed ``pool_repeats`` times on fresh prompts (no prefix hits), the fastest kept, and in
+    rounds (every engine once, then again), so that a busy spell on a shared machine slows
+    one sample of each configuration rather than every sample of one: a run lasts seconds.
+    """
+    s = args.settings
+    engines = [pool_engine(model, press, ratio, args) for press, ratio in runs]
+    timings: list[list[float]] = [[] for _ in runs]
+    counters: list[dict] = [{} for _ in runs]
+    num_out = [0] * len(runs)
+    for repeat in range(s.pool_repeats):
+        prompts = pool_prompts(s, 30 + repeat)
+        for i, (llm, params) in enumerate(engines):
+            seconds, num_out[i], seen = timed_pool_run(llm, prompts, params)
+            timings[i].append(seconds)
+            # Every repeat has the same lengths, so the same schedule: the first's counts.
+            counters[i] = counters[i] or seen
+    rows = []
+    for (press, ratio), (llm, _), times, num, seen in zip(
+        runs, engines, timings, num_out, counters, strict=True
+    ):
+        rows.append({
+            "press": press or "none", "compression_ratio": ratio if press else 0.0,
+            "num_blocks": llm.llm_engine.config.num_gpu_blocks_override,
+            "max_num_batched_tokens": llm.llm_engine.config.max_num_batched_tokens,
+            "seconds": min(times), "seconds_per_repeat": times,
+            "output_tok_s": num / min(times), **seen,
+        })
+    del engines, llm
     free_memory()
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    seconds = min(timings)
-    return {"press": press or "none", "compression_ratio": ratio if press else 0.0,
-            "num_blocks": kwargs["num_gpu_blocks_override"],
-            "max_num_batched_tokens": batched_tokens, "seconds": seconds,
-            "seconds_per_repeat": timings, "output_tok_s": num_out / seconds, **counters}
+    return rows
 
 
 # ---------------------------------------------------------------------------- report
@@ -479,15 +506,18 @@ def print_needles(rows: list[dict], baselines: dict[str, float], ratios: Sequenc
 def print_pool(rows: list[dict]) -> None:
     base = rows[0]
     print(f"\nfixed pool of {base['num_blocks']} blocks, {base['max_num_batched_tokens']} new "
-          "tokens per step: output tok/s and peak running vs no press")
+          "tokens per step: output tok/s (the fastest round; spread: slowest / fastest) and "
+          "peak running vs no press")
     print(f"{'press':<14} {'ratio':>5} {'tok/s':>8} {'x':>6} {'peak run':>8} {'x':>6} "
-          f"{'peak kv':>7} {'compact':>7} {'freed blk':>9} {'preempt':>7} {'errors':>6}")
+          f"{'peak kv':>7} {'compact':>7} {'freed blk':>9} {'preempt':>7} {'errors':>6} "
+          f"{'spread':>6}")
     for r in rows:
         print(f"{r['press']:<14} {r['compression_ratio']:>5} {r['output_tok_s']:>8.1f} "
               f"{r['output_tok_s'] / base['output_tok_s']:>5.2f}x {r['peak_running']:>8} "
               f"{r['peak_running'] / base['peak_running']:>5.2f}x {r['peak_kv_usage']:>7.2f} "
               f"{r['compactions']:>7} {r['blocks_freed_by_compaction']:>9} "
-              f"{r['preemptions']:>7} {r['press_errors']:>6}")
+              f"{r['preemptions']:>7} {r['press_errors']:>6} "
+              f"{max(r['seconds_per_repeat']) / r['seconds']:>5.2f}x")
 
 
 PANEL_TITLES = {
@@ -614,9 +644,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results["needle_baseline"] = base["needle_accuracy"]  # per variant
     if "pool" in args.parts:
         runs = [(None, 0.0)] + [(p, r) for p in args.presses for r in args.ratios]
-        for press, ratio in runs:
-            results["pool"].append(pool_run(args.needle_model, press, ratio, args))
-        print(f"  pool runs done ({len(runs)})", flush=True)
+        results["pool"] = pool_part(args.needle_model, runs, args)
+        print(f"  pool runs done ({len(runs)} configurations, {s.pool_repeats} rounds)",
+              flush=True)
 
     ratios = results["ratios"]
     if results["quality"]:
