@@ -42,7 +42,7 @@ import torch
 
 # The built-in model's schedule (linear warmup, cosine down to final_lr_fraction of the peak),
 # read from any settings with peak_lr, warmup_steps, steps and final_lr_fraction.
-from llmlab.builtin.train import learning_rate
+from llmlab.builtin.train import adamw, learning_rate
 
 BOS_ID, EOS_ID, KEY_ID, ASK_ID = 0, 1, 2, 3
 NUM_KEYS = 64
@@ -295,13 +295,7 @@ def weighted_loss(model, input_ids: torch.Tensor, weights: torch.Tensor) -> torc
 def train(model, settings: TrainSettings, log: Callable[[str], None] = print) -> list[float]:
     """Train in place through the phases; the loss of each step."""
     rng = random.Random(settings.seed)
-    decayed = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    kept = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    optimizer = torch.optim.AdamW(
-        [{"params": decayed, "weight_decay": settings.weight_decay},
-         {"params": kept, "weight_decay": 0.0}],
-        lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    optimizer = adamw(model, settings)
     model.train()
     losses: list[float] = []
     start = time.perf_counter()

@@ -101,6 +101,18 @@ def make_model(shape: ModelShape, vocab_size: int, seed: int):
     return LlamaForCausalLM(config).float()
 
 
+def adamw(model, settings) -> torch.optim.AdamW:
+    """AdamW at ``settings.peak_lr`` with ``settings.weight_decay`` on the matrices; norm
+    scales and the embedding stay out of weight decay."""
+    decayed = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    kept = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    return torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": settings.weight_decay},
+         {"params": kept, "weight_decay": 0.0}],
+        lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
 def learning_rate(step: int, settings: TrainSettings) -> float:
     """Linear warmup, then cosine down to ``final_lr_fraction`` of the peak."""
     if step < settings.warmup_steps:
@@ -120,14 +132,7 @@ def train(
     if chunks.shape[0] < needed:
         raise ValueError(f"stream has {chunks.shape[0]} chunks; training needs {needed}")
     order = torch.randperm(chunks.shape[0], generator=torch.Generator().manual_seed(settings.seed))
-    # Norm scales and the embedding stay out of weight decay.
-    decayed = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    kept = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    optimizer = torch.optim.AdamW(
-        [{"params": decayed, "weight_decay": settings.weight_decay},
-         {"params": kept, "weight_decay": 0.0}],
-        lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    optimizer = adamw(model, settings)
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
