@@ -183,6 +183,7 @@ def _build_app(build_app, engine, args, names, model, api_key, chat_template, or
                      max_prompts_per_request=args.max_prompts_per_request,
                      max_sequences_per_request=args.max_sequences_per_request,
                      max_queued_sequences=args.max_queued_sequences,
+                     max_queued_tokens=args.max_queued_tokens,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                      response_role=args.response_role, root_path=args.root_path,
@@ -493,8 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sequences-per-request", type=int, default=1024,
                        help="the most prompts x max(n, best_of) in one request (default 1024)")
     serve.add_argument("--max-queued-sequences", type=int, default=4096,
-                       help="requests in flight before new ones get a 429 with Retry-After "
+                       help="sequences in flight (prompts x max(n, best_of), queued or "
+                            "running) before new requests get a 429 with Retry-After "
                             "(default 4096)")
+    serve.add_argument("--max-queued-tokens", type=int, default=4 * 2**20,
+                       help="tokens in flight (prompt + max_tokens per sequence) before new "
+                            "requests get a 429 with Retry-After (default 4194304)")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
                        help='CORS origins: a list, or a JSON list such as \'["*"]\'')
     serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",

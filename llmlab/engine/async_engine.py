@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmlab.engine.engine import Engine, PreparedRequest, PromptType
@@ -86,6 +86,8 @@ class RequestStream:
         self.finished = False  # the engine will send nothing more
         self._ended = False  # the reader has seen the end marker
         self._aborted = False  # aborted by the caller: outputs still queued are dropped
+        self._done_lock = threading.Lock()
+        self._done_callbacks: list[Callable[[], Any]] | None = []
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -108,6 +110,25 @@ class RequestStream:
         """Stop the request (a no-op once it has finished)."""
         if not self.finished:
             self._engine.abort_nowait(self.request_id)
+
+    def add_done_callback(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` once, when the engine is done with the request (finished,
+        failed or aborted; at once if it already is). It runs on whichever thread ends
+        the stream (usually the engine loop's): keep it short and thread-safe; an error
+        in it is logged, never raised."""
+        with self._done_lock:
+            if self._done_callbacks is not None:
+                self._done_callbacks.append(callback)
+                return
+        _call_logged(callback)
+
+    def _mark_finished(self) -> None:
+        """The engine will send nothing more: run the done callbacks (once)."""
+        self.finished = True
+        with self._done_lock:
+            callbacks, self._done_callbacks = self._done_callbacks, None
+        for callback in callbacks or ():
+            _call_logged(callback)
 
     async def __aenter__(self) -> RequestStream:  # noqa: PYI034
         return self
@@ -477,6 +498,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        finished: list[RequestStream] = []
         with self._cond:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -489,7 +511,7 @@ class AsyncEngine:
                     # reported just before its replica died comes first in the same batch.
                     failure = self._failures.pop(output.request_id, None)
                     del self._streams[output.request_id]
-                    stream.finished = True
+                    finished.append(stream)
                     if failure is None and _engine_aborted(output):
                         failure = RequestFailedError(
                             output.request_id, "the engine aborted the request (see the server log)"
@@ -499,6 +521,8 @@ class AsyncEngine:
                 by_loop.setdefault(stream._loop, []).append((stream, item))
                 if output.finished:
                     by_loop[stream._loop].append((stream, _END))
+        for stream in finished:  # outside the lock: callbacks may take locks of their own
+            stream._mark_finished()
         for loop, items in by_loop.items():
             self._call_soon(loop, items)
 
@@ -506,7 +530,7 @@ class AsyncEngine:
         """Finish streams (with ``error`` raised to their readers, if given)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for stream in streams:
-            stream.finished = True
+            stream._mark_finished()
             items = by_loop.setdefault(stream._loop, [])
             if error is not None:
                 items.append((stream, error))
@@ -535,6 +559,13 @@ class AsyncEngine:
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in items:
         stream._put(item)
+
+
+def _call_logged(callback: Callable[[], Any]) -> None:
+    try:
+        callback()
+    except Exception:  # an observer's bug must not end the loop or another stream
+        logger.exception("a request stream's done callback raised")
 
 
 def _engine_aborted(output: RequestOutput | PoolingRequestOutput) -> bool:

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 import llmlab
@@ -42,6 +43,7 @@ from llmlab.distributed.data_parallel import DataParallelEngine, ReplicaFailedEr
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
+from llmlab.server.admission import RETRY_AFTER_S, Admission, busy
 from llmlab.server.errors import APIError, ClientDisconnected, bad_request
 from llmlab.server.lora import router as lora_router
 from llmlab.server.lora import serve_lora_modules
@@ -79,6 +81,7 @@ def build_app(
     max_prompts_per_request: int = 256,
     max_sequences_per_request: int = 1024,
     max_queued_sequences: int = 4096,
+    max_queued_tokens: int = 4 * 2**20,
     return_tokens_as_token_ids: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
     response_role: str = "assistant",
@@ -97,9 +100,11 @@ def build_app(
     tokenizer's. ``trust_request_chat_template``: accept a ``chat_template`` in requests
     (off: a template is code the server runs). ``max_request_body_bytes``: larger bodies
     get a 413 before they are read. ``max_prompts_per_request``,
-    ``max_sequences_per_request`` (prompts x n), ``max_queued_sequences`` (in flight;
-    beyond it a 429 with ``Retry-After``): see :class:`OpenAIServing`. ``allowed_origins``:
-    CORS origins.
+    ``max_sequences_per_request`` (prompts x n): see :class:`OpenAIServing`.
+    ``max_queued_sequences`` and ``max_queued_tokens`` (prompt + ``max_tokens`` per
+    sequence): the work in flight, queued or running; a request that would pass either
+    gets a 429 with ``Retry-After`` at once (:mod:`llmlab.server.admission`).
+    ``allowed_origins``: CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
     ``return_tokens_as_token_ids``: the default of the request field of that name (vLLM's
     ``--return-tokens-as-token-ids``): logprob tokens as ``"token_id:{id}"``.
@@ -137,7 +142,7 @@ def build_app(
                             trust_request_chat_template=trust_request_chat_template,
                             max_prompts_per_request=max_prompts_per_request,
                             max_sequences_per_request=max_sequences_per_request,
-                            max_queued_sequences=max_queued_sequences,
+                            admission=Admission(max_queued_sequences, max_queued_tokens),
                             return_tokens_as_token_ids=return_tokens_as_token_ids,
                             response_role=response_role,
                             tool_parser=parser if enable_auto_tool_choice else None)
@@ -173,6 +178,11 @@ def build_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 
+    # Innermost: any exception a route lets out becomes a response here (a 500 with a
+    # request id), and the connection stays usable.
+    app.add_middleware(_CatchAllMiddleware)
+    # Inside CORS (a browser can read the 429), outside everything that reads the body.
+    app.add_middleware(_FullServerMiddleware, admission=serving.admission)
     if allowed_origins:
         # Credentials only for origins named one by one: with "*", any site could make a
         # user's browser send their credentials here.
@@ -243,9 +253,23 @@ async def _http_error(request: Request, err: HTTPException):
 
 
 async def _internal_error(request: Request, err: Exception):
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _error_response(APIError(f"internal error: {type(err).__name__}", status=500,
-                                    type="server_error"))
+    return _error_response(_unexpected(err, request.method, request.url.path))
+
+
+def _unexpected(err: BaseException, method: str, path: str) -> APIError:
+    """The answer to an exception no route turned into an API error: a 400 for input
+    pydantic refused or nested past Python's recursion limit, else a 500 naming a request
+    id that the server log also names (with the traceback)."""
+    if isinstance(err, (RequestValidationError, ValidationError)):
+        return _validation_api_error(err)
+    if isinstance(err, RecursionError):
+        return APIError("the request is nested too deeply to process")
+    request_id = p.random_id("err")
+    logger.error("unhandled error on %s %s (request id %s)", method, path, request_id,
+                 exc_info=err)
+    return APIError(f"internal error: {type(err).__name__} (request id {request_id})",
+                    status=500, type="server_error", code="internal_error",
+                    headers={"X-Request-Id": request_id})
 
 
 # -- routes: one function each; the serving object comes from app.state -------------------
@@ -345,11 +369,10 @@ async def health(request: Request):
         await request.app.state.engine.check_health()
     except (EngineError, EngineDeadError) as err:
         raise APIError(str(err), status=503, type="server_error") from err
-    serving = request.app.state.serving
-    in_flight = request.app.state.engine.num_open_requests
-    if in_flight >= serving.max_queued_sequences:  # new requests would get a 429 now
-        raise APIError(f"the server is at capacity ({in_flight} requests in flight)",
-                       status=503, type="server_error", headers={"Retry-After": "1"})
+    full = request.app.state.serving.admission.full_reason()
+    if full is not None:  # new requests would get a 429 now
+        raise APIError(f"the server is at capacity: {full}", status=503, type="server_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
     replicas = getattr(request.app.state.engine.engine, "health", None)
     if replicas is not None:  # data parallelism: serving while some replicas are dead
         statuses = replicas()
@@ -433,6 +456,72 @@ def _route_path(scope) -> str:
     if root and (path == root or path.startswith(root + "/")):
         return path[len(root):] or "/"
     return path
+
+
+class _CatchAllMiddleware:
+    """Any exception out of a route becomes a response (:func:`_unexpected`) instead of
+    reaching the server, which would log it and close the connection. If the response
+    had already started (a stream), it is ended cleanly: an SSE error event for a stream,
+    then the end of the body."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+        event_stream = False
+
+        async def tracked(message) -> None:
+            nonlocal started, ended, event_stream
+            if message["type"] == "http.response.start":
+                started = True
+                content_type = dict(message.get("headers") or ()).get(b"content-type", b"")
+                event_stream = content_type.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:  # noqa: BLE001 - answered, never re-raised
+            error = _unexpected(err, scope.get("method", ""), scope.get("path", ""))
+            if not started:
+                await _error_response(error)(scope, receive, send)
+            elif not ended:
+                body = b""
+                if event_stream:
+                    payload = json.dumps(error.body(), ensure_ascii=True)
+                    body = f"data: {payload}\n\n".encode()
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# The routes that queue engine work: refused before their body is read when the server
+# cannot take even the smallest request.
+_WORK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                         "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                         "/v2/rerank"})
+
+
+class _FullServerMiddleware:
+    """A 429 for a request to a work route while the server is full, answered before
+    the body is read or parsed: under a flood, a refusal costs the event loop almost
+    nothing, so it comes back at once however many wait."""
+
+    def __init__(self, app, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" \
+                and _route_path(scope).rstrip("/") in _WORK_PATHS:
+            full = self.admission.full_reason()
+            if full is not None:
+                await _error_response(busy(full))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _RootPathMiddleware:

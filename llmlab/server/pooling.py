@@ -32,6 +32,7 @@ from llmlab.engine.inputs import check_prompt_text
 from llmlab.errors import RequestFailedError
 from llmlab.pooling_params import PoolingParams
 from llmlab.server import protocol as p
+from llmlab.server.admission import Weight
 from llmlab.server.errors import APIError, bad_request
 
 Int = p.Int
@@ -225,7 +226,6 @@ def _check_capacity(serving: Any, num: int, field: str) -> None:
             f"{field} has {num} inputs, more than the {serving.max_prompts_per_request} "
             "allowed per request", param=field,
         )
-    serving.check_room(num)
 
 
 async def _pool(serving: Any, prompts: list[Any], params: PoolingParams, request: Any,
@@ -234,13 +234,19 @@ async def _pool(serving: Any, prompts: list[Any], params: PoolingParams, request
     engine = serving.engine
     base = p.random_id("pool")
     streams = []
+    # One sequence per prompt; text's tokens are not known before the engine tokenizes it.
+    known = sum(len(pr["prompt_token_ids"]) for pr in prompts if "prompt_token_ids" in pr)
+    ticket = serving.check_room(len(prompts), known)
     try:
+        ticket.settle([Weight(1, 1, len(pr.get("prompt_token_ids", ()))) for pr in prompts])
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await engine.add_request(
+                stream = await engine.add_request(
                     f"{base}-{i}", prompt, params, priority=request.priority,
                     user=getattr(request, "user", None),
-                ))
+                )
+                ticket.attach(stream, i)
+                streams.append(stream)
         except (ValueError, TypeError) as err:
             raise bad_request(err, fields) from err
         except EngineDeadError as err:
@@ -259,6 +265,7 @@ async def _pool(serving: Any, prompts: list[Any], params: PoolingParams, request
         except (EngineError, EngineDeadError) as err:
             raise APIError(str(err), status=503, type="server_error") from err
     finally:
+        ticket.release()  # the prompts that never reached the engine
         for stream in streams:  # a no-op for the finished ones
             stream.abort()
 

@@ -27,6 +27,7 @@ from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStre
 from llmlab.engine.inputs import CHARS_PER_TOKEN, check_prompt_text, render_chat
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.server import protocol as p
+from llmlab.server.admission import Admission, Ticket, Weight
 from llmlab.server.errors import APIError, bad_request
 from llmlab.server.request_params import (
     _default,
@@ -69,9 +70,9 @@ class OpenAIServing:
             (:mod:`llmlab.server.templates`), ended when it runs past its time.
         max_prompts_per_request / max_sequences_per_request: the most prompts in one
             request, and prompts x ``max(n, best_of)`` (400 beyond them).
-        max_queued_sequences: sequences in flight (queued or running) the server takes
-            at once; a request that would pass it is answered 429 with ``Retry-After``
-            at once, before any of it is tokenized.
+        admission: the bounds on work in flight (sequences and tokens, queued or
+            running; :mod:`llmlab.server.admission`): a request that would pass one is
+            answered 429 with ``Retry-After`` at once, before any of it is tokenized.
         return_tokens_as_token_ids: the default of the request field: logprob tokens as
             ``"token_id:{id}"`` (vLLM's format).
         response_role: the role of chat responses (with ``add_generation_prompt=false``,
@@ -89,7 +90,7 @@ class OpenAIServing:
     template_workers: int = 2
     max_prompts_per_request: int = 256
     max_sequences_per_request: int = 1024
-    max_queued_sequences: int = 4096
+    admission: Admission = attrs.field(factory=Admission)
     return_tokens_as_token_ids: bool = False
     response_role: str = "assistant"
     tool_parser: Callable[[], Any] | None = None
@@ -128,14 +129,17 @@ class OpenAIServing:
             )
         return model
 
-    def _check_capacity(self, request, num_prompts: int) -> None:
-        """The request's size against the limits, and the server's room for it."""
+    def _check_capacity(self, request, num_prompts: int, max_tokens: int | None = None,
+                        known_prompt_tokens: int = 0) -> Ticket:
+        """The request's size against the per-request limits, then its room in the
+        server: a :class:`~llmlab.server.admission.Ticket` for the work it reserves
+        (an estimate until :meth:`_settle`), or a 429."""
         if num_prompts > self.max_prompts_per_request:
             raise APIError(
                 f"prompt has {num_prompts} prompts, more than the "
                 f"{self.max_prompts_per_request} allowed per request", param="prompt",
             )
-        per_prompt = max(request.n or 1, getattr(request, "best_of", None) or 1)
+        per_prompt = _sequences_per_prompt(request)
         sequences = num_prompts * per_prompt
         if sequences > self.max_sequences_per_request:
             raise APIError(
@@ -143,19 +147,24 @@ class OpenAIServing:
                 f"more than the {self.max_sequences_per_request} allowed per request",
                 param="n",
             )
-        self.check_room(sequences)
+        # Before tokenizing, prompt text counts as nothing (the estimate must not refuse
+        # what fits); the exact weight replaces it once the prompts are tokenized.
+        tokens = known_prompt_tokens + sequences * max(1, max_tokens or 1)
+        return self.admission.admit(Weight(num_prompts, sequences, tokens))
 
-    def check_room(self, sequences: int) -> None:
-        """A 429 (with ``Retry-After``) when ``sequences`` more would put the server over
-        ``max_queued_sequences`` requests in flight; generation and pooling alike."""
-        in_flight = self.engine.num_open_requests
-        if in_flight + sequences > self.max_queued_sequences:
-            raise APIError(
-                f"the server is at capacity ({in_flight} requests in flight, at most "
-                f"{self.max_queued_sequences}); retry shortly",
-                status=429, type="rate_limit_exceeded", code="server_busy",
-                headers={"Retry-After": "1"},
-            )
+    def _settle(self, ticket: Ticket, request, prompts: list[_Prompt],
+                params_list: list[SamplingParams]) -> None:
+        """The ticket's exact weight: per prompt, its tokens plus max_tokens per sequence."""
+        per_prompt = _sequences_per_prompt(request)
+        ticket.settle([
+            Weight(1, per_prompt, len(prompt.token_ids) + per_prompt * params.max_tokens)
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ])
+
+    def check_room(self, sequences: int, tokens: int = 0) -> Ticket:
+        """Reserve ``sequences`` single-sequence requests of ``tokens`` in all (pooling),
+        or a 429 with ``Retry-After``."""
+        return self.admission.admit(Weight(sequences, sequences, tokens))
 
     def _check_text(self, field: str, text: str) -> None:
         """The engine's check of prompt text (bounded, valid Unicode) before this server
@@ -192,7 +201,15 @@ class OpenAIServing:
         # echo with max_tokens=0 scores the prompt (HELM, lm-eval's loglikelihood): the
         # engine generates one token, which the response leaves out (as vLLM does).
         echo_only = bool(request.echo) and request.max_tokens == 0
-        self._check_capacity(request, _num_prompts(request.prompt))
+        ticket = self._check_capacity(request, _num_prompts(request.prompt), request.max_tokens,
+                                      _known_prompt_tokens(request.prompt))
+        try:
+            return await self._completions(request, model, echo_only, ticket, disconnected)
+        except BaseException:
+            ticket.release()  # what no stream took over
+            raise
+
+    async def _completions(self, request, model, echo_only, ticket, disconnected):
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         params_list = [
             self._params(
@@ -205,7 +222,8 @@ class OpenAIServing:
             )
             for prompt in prompts
         ]
-        streams = await self._add_all(prompts, params_list, request)
+        self._settle(ticket, request, prompts, params_list)
+        streams = await self._add_all(prompts, params_list, request, ticket)
         run = _CompletionRun(self, request, model, prompts, streams, echo_only=echo_only)
         if request.stream:
             return run.stream()
@@ -266,18 +284,28 @@ class OpenAIServing:
                 raise APIError(f"top_logprobs must be >= 0, got {request.top_logprobs}",
                                param="top_logprobs")
         _check_stream_prompt_logprobs(request)
-        self._check_capacity(request, 1)
-        prompt = await self._render(request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
+        ticket = self._check_capacity(request, 1, max_tokens)
+        try:
+            return await self._chat(request, model, structured, tool_mode, max_tokens, ticket,
+                                    disconnected)
+        except BaseException:
+            ticket.release()  # what no stream took over
+            raise
+
+    async def _chat(self, request, model, structured, tool_mode, max_tokens, ticket,
+                    disconnected):
+        prompt = await self._render(request)
         params = self._params(
             request, prompt, max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
             stream=bool(request.stream), structured=structured,
         )
-        streams = await self._add_all([prompt], [params], request)
+        self._settle(ticket, request, [prompt], [params])
+        streams = await self._add_all([prompt], [params], request, ticket)
         echo = ""
         last = request.messages[-1]
         if request.echo and last.role == "assistant":
@@ -503,7 +531,8 @@ class OpenAIServing:
         except (ValueError, TypeError) as err:
             raise bad_request(err, fields) from err
 
-    async def _add_all(self, prompts: list[_Prompt], params_list, request) -> list[RequestStream]:
+    async def _add_all(self, prompts: list[_Prompt], params_list, request,
+                       ticket: Ticket) -> list[RequestStream]:
         base = p.random_id("req")
         streams: list[RequestStream] = []
         # A request whose model names a served LoRA adapter runs with it.
@@ -514,10 +543,13 @@ class OpenAIServing:
                 engine_prompt = {"prompt_token_ids": prompt.token_ids}
                 if prompt.text is not None:
                     engine_prompt["prompt"] = prompt.text
-                streams.append(await self.engine.add_request(
+                stream = await self.engine.add_request(
                     f"{base}-{i}", engine_prompt, params,
                     priority=request.priority, user=request.user, **extra,
-                ))
+                )
+                # The stream holds prompt i's part of the reservation until it ends.
+                ticket.attach(stream, i)
+                streams.append(stream)
         except (ValueError, TypeError) as err:
             for stream in streams:
                 stream.abort()
@@ -559,6 +591,19 @@ def _check_stream_prompt_logprobs(request) -> None:
     if request.stream and request.prompt_logprobs is not None and request.prompt_logprobs != 0:
         raise APIError("prompt_logprobs are not available when stream=true",
                        param="prompt_logprobs")
+
+
+def _sequences_per_prompt(request) -> int:
+    return max(request.n or 1, getattr(request, "best_of", None) or 1)
+
+
+def _known_prompt_tokens(prompt) -> int:
+    """The tokens of the prompts given as token ids (text is counted once tokenized)."""
+    if not prompt or isinstance(prompt, str):
+        return 0
+    if isinstance(prompt[0], int):
+        return len(prompt)
+    return sum(len(item) for item in prompt if not isinstance(item, str))
 
 
 def _num_prompts(prompt) -> int:
