@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from llmlab.lora.bounds import base_norms
 from llmlab.lora.layer import wrap_linears
 from llmlab.lora.slots import LoRASlots
 from llmlab.lora.store import AdapterStore
@@ -29,14 +30,21 @@ def attach_lora(
 ) -> LoRASlots:
     """Wrap the model's target linears (after loading, quantization and prepacking: any
     module with ``in_features``, ``out_features`` and ``forward``) and return the runner's
-    :class:`LoRASlots`, whose ``store`` input processing shares. ``kernel``: ``"triton"``
-    (CUDA's default) or ``"torch"``."""
+    :class:`LoRASlots`, whose ``store`` input processing shares (and which bounds each
+    adapter's updates by the base weights measured here). ``kernel``: ``"triton"`` (CUDA's
+    default) or ``"torch"``."""
     targets = LoRATargets.of(model)
     kernel = kernel or ("triton" if device.type == "cuda" else "torch")
     if kernel not in KERNELS:
         raise ValueError(f"LoRA kernel must be one of {KERNELS}, got {kernel!r}")
+    # Measured before wrapping, on the modules as they will run (packed, quantized).
+    norms = {
+        t.path: base_norms(model.get_submodule(t.path), t, dtype, device)
+        for t in targets.targets
+    }
     store = AdapterStore(
-        targets, max_lora_rank, max_cpu_loras or max_loras, dtype, set(base_model_names)
+        targets, max_lora_rank, max_cpu_loras or max_loras, dtype, set(base_model_names),
+        base_norms=norms,
     )
     context, modules = wrap_linears(
         model, targets.targets, max_loras, max_lora_rank, dtype, device

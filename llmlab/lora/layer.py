@@ -36,20 +36,18 @@ class LoRAStep:
 
     Attributes:
         kernel: ``"torch"`` (:func:`~llmlab.lora.ops.lora_update`) or ``"triton"``.
-        long_runs: torch path: ``(start, end, slot)`` spans run as their own matmul pair.
-        short_index: torch path: rows of the short spans (None: all rows, in order).
-        short_masks: torch path: per slot width ``W``, the ``[short rows, k * W]`` mask
-            (None: no short row has an adapter).
-        num_short_slots: ``k``: slots ``0 .. k - 1`` hold every short row's adapter.
+        runs: torch path: ``(start, end, slot)`` rows run in place as one matmul pair.
+        gather_index: torch path: the short spans' rows with an adapter, sorted by slot
+            (None: nothing to gather).
+        gathered_runs: torch path: ``(start, end, slot)`` over the gathered rows.
         perm, seg_starts, seg_slots, max_segment_len, num_lora_tokens: Triton path: the
             tokens with an adapter grouped by slot (device tensors) and the segments.
     """
 
     kernel: str = "torch"
-    long_runs: tuple[tuple[int, int, int], ...] = ()
-    short_index: torch.Tensor | None = None
-    short_masks: dict[int, torch.Tensor] | None = None
-    num_short_slots: int = 0
+    runs: tuple[tuple[int, int, int], ...] = ()
+    gather_index: torch.Tensor | None = None
+    gathered_runs: tuple[tuple[int, int, int], ...] = ()
     perm: torch.Tensor | None = None
     seg_starts: torch.Tensor | None = None
     seg_slots: torch.Tensor | None = None
@@ -134,13 +132,12 @@ class LoRALinear(nn.Module):
                 step.seg_slots, step.max_segment_len, step.num_lora_tokens,
             )
         else:
+            # Runs of adapters that leave this module alone are skipped.
             targeted = self.targeted
-            masks = step.short_masks
             lora_update(
                 x2, y2, self.lora_a, self.lora_b, self.slices,
-                [run for run in step.long_runs if targeted[run[2]]], step.short_index,
-                None if masks is None else masks[self.lora_a.shape[1]],
-                step.num_short_slots,
+                [run for run in step.runs if targeted[run[2]]], step.gather_index,
+                [run for run in step.gathered_runs if targeted[run[2]]],
             )
         return y2.view(shape)
 

@@ -14,11 +14,26 @@ import os
 
 import attrs
 
+from llmlab.validation import check_encodable
 
-def _name(value: object) -> str:
+# Longer names are refused: a name is echoed in every listing, log line and error, so an
+# unbounded one costs every reader of those, and no adapter needs more.
+MAX_LORA_NAME_CHARS = 256
+
+
+def check_lora_name(value: object, field: str = "lora_name") -> str:
+    """``value`` if it is a usable adapter name: a non-empty str of at most
+    :data:`MAX_LORA_NAME_CHARS` characters, valid Unicode (a lone surrogate would be stored,
+    then break every JSON answer that lists it). ``ValueError`` naming ``field`` otherwise;
+    the message never echoes an over-long or unencodable name whole."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"lora_name must be a non-empty str, got {value!r}")
-    return value
+        raise ValueError(f"{field} must be a non-empty str, got {value!r}")
+    if len(value) > MAX_LORA_NAME_CHARS:
+        raise ValueError(
+            f"{field} is {len(value)} characters long; at most {MAX_LORA_NAME_CHARS} are "
+            "allowed"
+        )
+    return check_encodable(field, str(value))
 
 
 def _int_id(value: object) -> int:
@@ -49,7 +64,7 @@ class LoRARequest:
 
     Attributes:
         lora_name: the adapter's name (what the server lists and a request's ``model``
-            may name).
+            may name): at most :data:`MAX_LORA_NAME_CHARS` characters of valid Unicode.
         lora_int_id: a unique id >= 1 per adapter: the engine caches loaded adapters, and
             keys the prefix cache, by it (a different adapter needs a different id).
         lora_path: a PEFT adapter directory (``adapter_config.json`` and
@@ -58,7 +73,7 @@ class LoRARequest:
             the served model.
     """
 
-    lora_name: str = attrs.field(converter=_name)
+    lora_name: str = attrs.field(converter=check_lora_name)
     lora_int_id: int = attrs.field(converter=_int_id)
     lora_path: str = attrs.field(default="", converter=_path)
     base_model_name: str | None = attrs.field(default=None, converter=_base, kw_only=True)

@@ -7,15 +7,16 @@ the row. Each step, :meth:`activate` puts every adapter the step needs into a de
 (``max_loras`` of them; a slot not needed this step is reused least recently used first,
 its weights taken from the host :class:`~llmlab.lora.store.AdapterStore`), and
 :meth:`begin` describes the step's tokens by slot for the wrapped modules
-(:class:`~llmlab.lora.layer.LoRAStep`: long spans, and the short ones' masks; or, for the
-Triton kernels, tokens sorted by slot). The scheduler guarantees at most ``max_loras``
-distinct adapters per step; an adapter that cannot be read back from disk (dropped from
-host memory, then its files changed) fails its own requests only.
+(:class:`~llmlab.lora.layer.LoRAStep`: runs of rows that share a slot, in place or
+gathered; or, for the Triton kernels, tokens sorted by slot). The scheduler guarantees at
+most ``max_loras`` distinct adapters per step; an adapter that cannot be read back from
+disk (dropped from host memory, then its files changed) fails its own requests only.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -60,13 +61,9 @@ class LoRASlots:
         init=False, factory=collections.OrderedDict
     )
     active: bool = attrs.field(init=False, default=False)
-    _widths: list[int] = attrs.field(init=False)
-    _dtype: torch.dtype = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._rows = [None] * self.max_num_seqs
-        self._widths = sorted({m.lora_a.shape[1] for m in self.modules.values()})
-        self._dtype = next(iter(self.modules.values())).lora_a.dtype
         self._row_slot = np.full(self.max_num_seqs, -1, dtype=np.int64)
 
     # -- per-row state ------------------------------------------------------------------
@@ -167,9 +164,7 @@ class LoRASlots:
         if lens is None:
             lens = np.fromiter((len(e.token_ids) for e in entries), np.int64, len(entries))
         entry_slot = self._row_slot[np.fromiter((e.row for e in entries), np.int64, len(entries))]
-        self.context.step = group_tokens(
-            entry_slot, lens, self.device, self.kernel, self._widths, self._dtype
-        )
+        self.context.step = group_tokens(entry_slot, lens, self.device, self.kernel)
 
     def end(self) -> None:
         self.context.step = None
@@ -180,12 +175,9 @@ def group_tokens(
     lens: np.ndarray,
     device: torch.device,
     kernel: str = "torch",
-    widths: Sequence[int] = (),
-    dtype: torch.dtype = torch.float32,
 ) -> LoRAStep | None:
     """The :class:`LoRAStep` of a flat batch whose entry ``i`` has ``lens[i]`` consecutive
-    tokens in slot ``entry_slot[i]`` (-1: none); None when no token has an adapter.
-    ``widths``: the slot widths of the wrapped modules (a mask each, torch path)."""
+    tokens in slot ``entry_slot[i]`` (-1: none); None when no token has an adapter."""
     lens = np.asarray(lens, dtype=np.int64)
     entry_slot = np.asarray(entry_slot, dtype=np.int64)
     if not (entry_slot >= 0).any():
@@ -204,23 +196,19 @@ def group_tokens(
         else:
             runs.append((a, a + n, slot))
     short = ~long
-    short_slots = entry_slot[short]
-    if not (short_slots >= 0).any():
+    token_slot = np.repeat(entry_slot[short], lens[short])
+    rows = np.flatnonzero(np.repeat(short, lens))
+    rows, token_slot = rows[token_slot >= 0], token_slot[token_slot >= 0]
+    if len(rows) == 0:
         return LoRAStep(kernel, tuple(runs))
-    token_slot = np.repeat(short_slots, lens[short])
-    index = None
-    if not short.all():
-        rows = np.flatnonzero(np.repeat(short, lens))
-        index = torch.from_numpy(rows).to(device, non_blocking=True)
-    k = int(short_slots.max()) + 1
-    masks = {}
-    with_adapter = np.flatnonzero(token_slot >= 0)
-    for width in widths:
-        mask = np.zeros((len(token_slot), k * width), dtype=np.float32)
-        cols = token_slot[with_adapter, None] * width + np.arange(width)[None, :]
-        mask[with_adapter[:, None], cols] = 1.0
-        masks[width] = torch.from_numpy(mask).to(device, dtype, non_blocking=True)
-    return LoRAStep(kernel, tuple(runs), index, masks, k)
+    order = np.argsort(token_slot, kind="stable")
+    rows, token_slot = rows[order], token_slot[order]
+    bounds = [0, *(np.flatnonzero(np.diff(token_slot)) + 1).tolist(), len(rows)]
+    by_slot = tuple((a, b, int(token_slot[a])) for a, b in itertools.pairwise(bounds))
+    if len(rows) == int(lens.sum()) and (rows == np.arange(len(rows))).all():
+        return LoRAStep(kernel, by_slot)  # every row, already in slot order: in place
+    index = torch.from_numpy(rows).to(device, non_blocking=True)
+    return LoRAStep(kernel, tuple(runs), index, by_slot)
 
 
 def _grouped_by_slot(entry_slot: np.ndarray, lens: np.ndarray, device: torch.device):

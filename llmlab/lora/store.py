@@ -31,6 +31,8 @@ class AdapterStore:
         dtype: the model's dtype (adapters are converted once, when loaded).
         base_model_names: names a ``LoRARequest.base_model_name`` may give (the model's
             path and name; the server adds its served names).
+        base_norms: per target path, each slice's base weight norm, which bounds an
+            adapter's update there (:mod:`llmlab.lora.bounds`; None: no bound).
         loads: adapters read from disk so far (for tests and views).
     """
 
@@ -39,6 +41,7 @@ class AdapterStore:
     capacity: int
     dtype: torch.dtype
     base_model_names: set[str] = attrs.field(factory=set)
+    base_norms: dict[str, tuple[float, ...]] | None = None
     loads: int = 0
     _adapters: collections.OrderedDict[int, LoRAAdapter] = attrs.field(
         init=False, factory=collections.OrderedDict
@@ -68,7 +71,7 @@ class AdapterStore:
                 return adapter
         adapter = load_adapter(
             request, self.targets, max_lora_rank=self.max_lora_rank, dtype=self.dtype,
-            base_model_names=frozenset(self.base_model_names),
+            base_model_names=frozenset(self.base_model_names), base_norms=self.base_norms,
         )
         with self._lock:
             self.loads += 1

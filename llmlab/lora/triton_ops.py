@@ -10,6 +10,11 @@ segments of any length without the host reading them back (the host knows the lo
   ranks] @ B[slot][:, slice]`` (B stored ``[R, out]``); each ``(token, column)`` belongs to
   exactly one program, so the read-add-write needs no atomics.
 
+A program reads the weights of its own segment's slot only, and stores only its own
+segment's rows (masked loads fill the tile's spare rows and columns with zeros; whatever
+they compute is never stored), so one slot's values never enter another slot's tokens
+(``tests/lora/test_isolation.py`` puts inf and NaN in one slot to check it).
+
 Float32 inputs (and Triton's interpreter) multiply in IEEE float32; 16-bit inputs use the
 tensor cores with float32 accumulation. On CPU they run only under ``TRITON_INTERPRET=1``
 (how the tests check them against the torch op).

@@ -3,11 +3,14 @@
 ``llmlab serve --enable-lora --lora-modules name=path ...`` (or vLLM's JSON form
 ``'{"name": ..., "path": ..., "base_model_name": ...}'``) serves each adapter under its
 name: a request whose ``model`` names it runs with it, ``/v1/models`` lists it (``parent``:
-the base model, ``root``: its path). ``POST /v1/load_lora_adapter`` (``{"lora_name",
-"lora_path"}``) and ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``) add and remove
-adapters while serving, with vLLM's answers: a plain-text success, a 400 for an adapter
-already loaded or one that cannot run (the engine's check names the field), a 404 for an
-unknown name or a path with no adapter.
+the base model, ``root``: its name; vLLM lists the adapter's path there, which tells
+clients about the server's filesystem, so paths are listed only when asked for with
+``list_paths``). ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``) add and remove adapters while serving,
+with vLLM's answers: a plain-text success, a 400 for an adapter already loaded, one that
+cannot run (the engine's check names the field) or a name that is not one (empty, over
+:data:`~llmlab.lora.request.MAX_LORA_NAME_CHARS` characters, not valid Unicode), a 404 for
+an unknown name or a path with no adapter (one answer, whatever is at the path).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmlab.lora.request import LoRARequest
+from llmlab.lora.adapter import AdapterNotFoundError
+from llmlab.lora.request import LoRARequest, check_lora_name
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError
 
@@ -49,6 +53,8 @@ def parse_lora_modules(values: Sequence[str] | None) -> list[LoRAModulePath]:
                 spec = json.loads(value)
             except ValueError as err:
                 raise ValueError(f"--lora-modules {value!r} is not valid JSON: {err}") from None
+            if not isinstance(spec, dict):
+                raise ValueError(f"--lora-modules {value!r} must be a JSON object")
             unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
             if not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
                 raise ValueError(
@@ -66,6 +72,11 @@ def parse_lora_modules(values: Sequence[str] | None) -> list[LoRAModulePath]:
                 "and path"
             )
         modules.append(LoRAModulePath(name, path))
+    for module in modules:
+        try:
+            check_lora_name(module.name, "name")
+        except ValueError as err:
+            raise ValueError(f"--lora-modules: {err}") from None
     names = [m.name for m in modules]
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules names an adapter twice: {names}")
@@ -81,11 +92,14 @@ class LoRAAdapters:
             was built without ``enable_lora``; every load is refused).
         base_model: the served model's name (each adapter's ``parent``).
         reserved: names a request's ``model`` already means (the served model's names).
+        list_paths: ``/v1/models`` gives each adapter's path as its ``root`` (vLLM's
+            answer; off: its name, so a client learns nothing of the filesystem).
     """
 
     store: Any
     base_model: str
     reserved: frozenset[str] = frozenset()
+    list_paths: bool = False
     _by_name: dict[str, LoRARequest] = attrs.field(init=False, factory=dict)
     _next_id: int = attrs.field(init=False, default=1)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -105,18 +119,20 @@ class LoRAAdapters:
         if not name or not path:
             raise APIError("lora_name and lora_path must both be given",
                            param="lora_name" if not name else "lora_path")
+        _check_name(name)
         with self._lock:
             if name in self._by_name or name in self.reserved:
                 raise APIError(f"The lora adapter '{name}' has already been loaded.",
                                param="lora_name")
             lora_id, self._next_id = self._next_id, self._next_id + 1
-        lora = LoRARequest(name, lora_id, path, base_model_name=base_model_name)
         try:
+            lora = LoRARequest(name, lora_id, path, base_model_name=base_model_name)
             self.store.get(lora)
-        except ValueError as err:
-            missing = "no adapter_config.json there" in str(err)
-            raise APIError(str(err), status=404 if missing else 400, param="lora_path",
-                           code="lora_adapter_not_found" if missing else None) from None
+        except AdapterNotFoundError as err:
+            raise APIError(str(err), status=404, param="lora_path",
+                           code="lora_adapter_not_found") from None
+        except (ValueError, TypeError) as err:
+            raise APIError(str(err), param="lora_path") from None
         with self._lock:
             if name in self._by_name:
                 self.store.remove(lora_id)
@@ -128,6 +144,7 @@ class LoRAAdapters:
     def unload(self, name: str) -> LoRARequest:
         """Stop serving ``name`` (requests already running finish with it); 404 when it is
         not served."""
+        _check_name(name)
         with self._lock:
             lora = self._by_name.pop(name, None)
         if lora is None:
@@ -139,10 +156,20 @@ class LoRAAdapters:
 
     def cards(self, created: int, max_model_len: int) -> list[p.ModelCard]:
         return [
-            p.ModelCard(id=lora.lora_name, created=created, root=lora.lora_path,
+            p.ModelCard(id=lora.lora_name, created=created,
+                        root=lora.lora_path if self.list_paths else lora.lora_name,
                         parent=self.base_model, max_model_len=max_model_len)
             for lora in list(self._by_name.values())
         ]
+
+
+def _check_name(name: str) -> None:
+    """A 400 naming ``lora_name`` for a name no adapter may have (every answer that
+    echoes or lists it must stay encodable and short)."""
+    try:
+        check_lora_name(name)
+    except ValueError as err:
+        raise APIError(str(err), param="lora_name") from None
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -190,11 +217,13 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, adapters: Adapters
 
 
 def serve_lora_modules(engine: Any, served_names: Sequence[str],
-                       modules: Sequence[LoRAModulePath | str]) -> LoRAAdapters:
+                       modules: Sequence[LoRAModulePath | str], *,
+                       list_paths: bool = False) -> LoRAAdapters:
     """The server's :class:`LoRAAdapters` over ``engine``'s adapter store, with
-    ``modules`` loaded (``ValueError`` naming the one that cannot run)."""
+    ``modules`` loaded (``ValueError`` naming the one that cannot run). ``list_paths``:
+    ``/v1/models`` shows adapter paths (off by default)."""
     store = getattr(engine, "lora", None)
-    adapters = LoRAAdapters(store, served_names[0], frozenset(served_names))
+    adapters = LoRAAdapters(store, served_names[0], frozenset(served_names), list_paths)
     strings = [m for m in modules if isinstance(m, str)]
     parsed = parse_lora_modules(strings) + [m for m in modules if not isinstance(m, str)]
     if parsed and store is None:
@@ -205,5 +234,5 @@ def serve_lora_modules(engine: Any, served_names: Sequence[str],
         try:
             adapters.load(module.name, module.path, module.base_model_name)
         except APIError as err:
-            raise ValueError(f"--lora-modules {module.name}: {err.message}") from None
+            raise ValueError(f"--lora-modules {module.name!r}: {err.message}") from None
     return adapters

@@ -1,6 +1,6 @@
-"""The batched LoRA ops against the one-token-at-a-time definition: the torch op (long spans
-and the short ones' masked dense pair), and the Triton SGMV kernels (Triton's interpreter on
-CPU, natively on CUDA)."""
+"""The batched LoRA ops against the one-token-at-a-time definition: the torch op (runs of
+one slot's rows, in place or gathered), and the Triton SGMV kernels (Triton's interpreter
+on CPU, natively on CUDA)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,10 @@ CASES = [
 
 def torch_op(x, y, a, b, entry_slots, lens, slices=((0, None),)):
     slices = tuple((first, size if size is not None else y.shape[1]) for first, size in slices)
-    step = group_tokens(np.asarray(entry_slots), np.asarray(lens), DEVICE,
-                        widths=(a.shape[1],), dtype=x.dtype)
+    step = group_tokens(np.asarray(entry_slots), np.asarray(lens), DEVICE)
     if step is None:
         return y
-    masks = step.short_masks
-    return lora_update(x, y, a, b, slices, step.long_runs, step.short_index,
-                       None if masks is None else masks[a.shape[1]], step.num_short_slots)
+    return lora_update(x, y, a, b, slices, step.runs, step.gather_index, step.gathered_runs)
 
 
 @pytest.mark.parametrize("slices", [((0, 72),), QKV], ids=["one-slice", "qkv"])
@@ -77,15 +74,16 @@ def test_triton_sgmv_equals_the_torch_op(lens, entry_slots, slices):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_long_spans_run_alone_and_short_ones_share_one_masked_pair():
+def test_long_spans_run_in_place_and_short_rows_gather_by_slot():
     step = group_tokens(np.array([1, -1, 0, 1, 1]), np.array([2, 20, 1, 16, 17]),
-                        torch.device("cpu"), widths=(4,))
-    assert step.long_runs == ((23, 56, 1),)  # the two adjacent spans of slot 1 merged
-    assert step.short_index.tolist() == [0, 1, 22]
-    assert step.num_short_slots == 2
-    mask = step.short_masks[4]
-    assert mask.tolist() == [[0] * 4 + [1] * 4, [0] * 4 + [1] * 4, [1] * 4 + [0] * 4]
-    decode = group_tokens(np.array([0, -1, 2]), np.array([1, 1, 1]), torch.device("cpu"),
-                          widths=(2,))
-    assert decode.short_index is None and decode.long_runs == ()
-    assert decode.short_masks[2].tolist() == [[1, 1, 0, 0, 0, 0], [0] * 6, [0] * 4 + [1, 1]]
+                        torch.device("cpu"))
+    assert step.runs == ((23, 56, 1),)  # the two adjacent spans of slot 1 merged
+    assert step.gather_index.tolist() == [22, 0, 1]  # sorted by slot: 0, then 1, 1
+    assert step.gathered_runs == ((0, 1, 0), (1, 3, 1))
+    decode = group_tokens(np.array([2, 0, 2, -1, 0]), np.ones(5), torch.device("cpu"))
+    assert decode.runs == () and decode.gather_index.tolist() == [1, 4, 0, 2]
+    assert decode.gathered_runs == ((0, 2, 0), (2, 4, 2))  # one matmul pair per adapter
+    # Every row short, with an adapter, already in slot order: in place, nothing gathered.
+    ordered = group_tokens(np.array([0, 0, 3, 3, 3]), np.ones(5), torch.device("cpu"))
+    assert ordered.runs == ((0, 2, 0), (2, 5, 3)) and ordered.gather_index is None
+    assert ordered.gathered_runs == ()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from llmlab import LLM, LoRARequest, SamplingParams
-from llmlab.server.lora import LoRAModulePath, parse_lora_modules
+from llmlab.server.lora import LoRAAdapters, LoRAModulePath, parse_lora_modules
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -66,11 +66,13 @@ def complete(client, model: str) -> str:
     return got.choices[0].text
 
 
-def test_lora_modules_are_listed_with_their_parent_and_path(client, paths):
+def test_lora_modules_are_listed_with_their_parent_and_no_path(server, client, paths):
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards)[:3] == ["tiny", "a", "b"]
-    assert cards["a"].parent == "tiny" and cards["a"].root == paths["a"]
-    assert cards["b"].root == paths["b"]
+    assert cards["a"].parent == "tiny" and cards["a"].root == "a"
+    assert cards["b"].root == "b"
+    listing = httpx.get(f"{server}/v1/models").text
+    assert paths["a"] not in listing and paths["b"] not in listing
 
 
 def test_a_completion_naming_an_adapter_equals_the_offline_llm(client, offline, paths):
@@ -103,6 +105,61 @@ def test_adapters_load_and_unload_at_runtime(server, client, offline, paths):
     assert "c" not in [m.id for m in client.models.list().data]
     with pytest.raises(openai.NotFoundError):
         complete(client, "c")
+
+
+def test_a_path_with_no_adapter_is_one_404_whatever_is_there(server, paths, tmp_path):
+    load = f"{server}/v1/load_lora_adapter"
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    answers = []
+    for i, path in enumerate([tmp_path / "missing", tmp_path / "file", tmp_path / "empty"]):
+        got = httpx.post(load, json={"lora_name": f"nope{i}", "lora_path": str(path)})
+        assert got.status_code == 404 and got.json()["error"]["param"] == "lora_path"
+        answers.append(got.json()["error"]["message"].replace(repr(str(path)), "PATH")
+                       .replace(f"nope{i}", "NAME"))
+    assert len(set(answers)) == 1, answers
+    assert "not a readable PEFT adapter directory" in answers[0]
+
+
+@pytest.mark.parametrize("name", ["x" * 257, "bad\ud800name"], ids=["too-long", "surrogate"])
+def test_an_adapter_name_that_is_not_one_is_a_400_naming_the_field(server, paths, name):
+    for route, body in [
+        ("load_lora_adapter", {"lora_name": name, "lora_path": paths["c"]}),
+        ("unload_lora_adapter", {"lora_name": name}),
+    ]:
+        # JSON's \u escape carries the lone surrogate (httpx's json= would refuse it).
+        got = httpx.post(f"{server}/v1/{route}", content=json.dumps(body),
+                         headers={"content-type": "application/json"})
+        assert got.status_code == 400, (route, got.text)
+        assert got.json()["error"]["param"] == "lora_name"
+        assert "lora_name" in got.json()["error"]["message"]
+    listing = httpx.get(f"{server}/v1/models")
+    assert listing.status_code == 200 and len(listing.json()["data"]) == 3  # tiny, a, b
+    ok = httpx.post(f"{server}/v1/load_lora_adapter",
+                    json={"lora_name": "x" * 256, "lora_path": paths["c"]})
+    assert ok.status_code == 200  # the longest name allowed
+    assert httpx.post(f"{server}/v1/unload_lora_adapter",
+                      json={"lora_name": "x" * 256}).status_code == 200
+
+
+def test_lora_modules_names_must_be_short_valid_unicode():
+    for bad in ["\ud800=/p/x", '{"name": "a\\ud800", "path": "/p/y"}', "x" * 257 + "=/p/z"]:
+        with pytest.raises(ValueError, match="--lora-modules.*name"):
+            parse_lora_modules([bad])
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_lora_modules(['["name", "path"]'])
+
+
+def test_adapter_paths_are_listed_only_when_asked_for():
+    class Store:  # checks nothing: the listing is what is tested
+        def get(self, lora):
+            return None
+
+    for list_paths, root in [(False, "a"), (True, "/adapters/a")]:
+        adapters = LoRAAdapters(Store(), "tiny", list_paths=list_paths)
+        adapters.load("a", "/adapters/a")
+        [card] = adapters.cards(created=0, max_model_len=128)
+        assert (card.id, card.root, card.parent) == ("a", root, "tiny")
 
 
 def test_lora_modules_parse_both_forms():
