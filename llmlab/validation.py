@@ -267,13 +267,101 @@ class FrozenDict(dict):
         return hash(frozenset(self.items()))
 
 
-def freeze_json(value: object) -> object:
-    """A JSON value with every object as a :class:`FrozenDict` and every array a tuple."""
-    if isinstance(value, dict):
-        return FrozenDict({k: freeze_json(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return tuple(freeze_json(v) for v in value)
+MAX_JSON_DEPTH = 64
+"""How deep a client's JSON value (a schema, a tool, template arguments) may nest: 64
+levels of objects and arrays, far more than a real schema uses, and few enough that
+nothing that walks it (the grammar compiler, ``json.dumps``, a chat template) overflows."""
+
+
+def json_field(field: str, key: object) -> str:
+    """The name of a member of the JSON value ``field``: ``field.key`` for an identifier
+    key, ``field["key"]`` (ASCII-escaped) for another, ``field[i]`` for an index."""
+    if isinstance(key, int):
+        return f"{field}[{key}]"
+    if isinstance(key, str) and key.isidentifier() and key.isascii():
+        return f"{field}.{key}"
+    return f"{field}[{ascii(key)}]"
+
+
+def _json_path(field: str, link: tuple | None) -> str:
+    """``field`` and the keys of a :func:`check_json` link chain (parent link, key)."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    for key in reversed(keys):
+        field = json_field(field, key)
+    return field
+
+
+def check_json(field: str, value: object, *, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """``value`` (a JSON value: mappings, lists or tuples, and scalars) if it nests at
+    most ``max_depth`` objects and arrays deep and every string in it, object keys
+    included, is valid Unicode (:func:`check_encodable`); else ``ValueError`` naming
+    ``field``: with the limit for a value nested too deep, with the place inside
+    (``field.properties.city.description``) for a string that is not text.
+
+    The walk is iterative, so no depth makes it overflow Python's stack; a nested value
+    it visits twice (shared, or a cycle) counts each time, and a cycle is simply too deep.
+    """
+    # (value, depth of the container holding it, link to it: (parent link, key) or None)
+    stack: list[tuple[object, int, tuple | None]] = [(value, 0, None)]
+    while stack:
+        item, depth, link = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                check_encodable(_json_path(field, link), item)
+            continue
+        if isinstance(item, Mapping):
+            children = item.items()
+        elif isinstance(item, (list, tuple)):
+            children = enumerate(item)
+        else:
+            continue
+        if depth >= max_depth:
+            raise ValueError(
+                f"{field} must nest at most {max_depth} levels of objects and arrays, got "
+                f"more (nested deeper than {max_depth} levels)")
+        for key, child in children:
+            if isinstance(key, str) and not key.isascii():
+                check_encodable(_json_path(field, (link, key)), key)
+            stack.append((child, depth + 1, (link, key)))
     return value
+
+
+def freeze_json(value: object) -> object:
+    """A JSON value with every object as a :class:`FrozenDict` and every array a tuple.
+
+    Iterative (children are frozen before their parents from an explicit stack), so a
+    value of any depth freezes without ``RecursionError``; a value that contains itself
+    is a ``ValueError``."""
+    if not isinstance(value, (dict, list)):
+        return value
+    frozen: dict[int, object] = {}  # id of a container -> its frozen copy
+    open_: set[int] = set()  # the containers whose children are being frozen
+    stack: list[tuple[object, bool]] = [(value, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_.discard(key)
+            if isinstance(node, dict):
+                frozen[key] = FrozenDict(
+                    {k: frozen.get(id(v), v) if isinstance(v, (dict, list)) else v
+                     for k, v in node.items()})
+            else:
+                frozen[key] = tuple(frozen.get(id(v), v) if isinstance(v, (dict, list)) else v
+                                    for v in node)
+            continue
+        if key in frozen:
+            continue  # the same object met again (shared): frozen once
+        if key in open_:
+            raise ValueError("a JSON value cannot contain itself, got a cycle")
+        open_.add(key)
+        stack.append((node, True))
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((v, False) for v in children if isinstance(v, (dict, list)))
+    return frozen[id(value)]
 
 
 def check_budget(value: object, field: str = "kv_budget") -> float:

@@ -129,3 +129,80 @@ def test_as_bool_as_str_and_as_choice():
         as_choice("mode", "c", ("a", "b"))
     with pytest.raises(TypeError, match="mode must be one of 'a', 'b', got NoneType None"):
         as_choice("mode", None, ("a", "b"))
+
+
+def _nested(levels: int) -> dict:
+    """A JSON value ``levels`` objects and arrays deep (built without recursion)."""
+    value: object = "leaf"
+    for i in range(levels):
+        value = {"a": value} if i % 2 else [value]
+    return value
+
+
+def test_check_json_bounds_depth_iteratively_and_names_the_field():
+    from llmlab.validation import MAX_JSON_DEPTH, check_json
+
+    ok = _nested(MAX_JSON_DEPTH)
+    assert check_json("schema", ok) is ok
+    for levels in (MAX_JSON_DEPTH + 1, 500, 100_000):  # far past Python's recursion limit
+        with pytest.raises(ValueError, match=r"^schema must nest at most 64 levels of "
+                                             r"objects and arrays, got more"):
+            check_json("schema", _nested(levels))
+    cycle: list = []
+    cycle.append(cycle)
+    with pytest.raises(ValueError, match="at most 64 levels"):
+        check_json("x", cycle)
+    assert check_json("x", _nested(3), max_depth=3) and check_json("x", 5, max_depth=0) == 5
+
+
+def test_check_json_finds_a_lone_surrogate_anywhere_and_says_where():
+    from llmlab.validation import check_json
+
+    assert check_json("t", {"d\u00e9j\u00e0": ["\u00e9t\u00e9", 1, None, {"k": "\U0001f600"}]})
+    for value, where in [
+        ("a\ud800", "t"),
+        ({"properties": {"city": {"description": "x\udfff"}}},
+         "t.properties.city.description"),
+        ({"enum": ["ok", "\ud800"]}, "t.enum[1]"),
+        ({"properties": {"\ud800": {}}}, "t.properties['\\ud800']"),
+        ({"a b": ["\ud800"]}, "t['a b'][0]"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            check_json("t", value)
+        assert str(err.value).startswith(f"{where} is not valid Unicode text: '\\ud800'"
+                                          if "ud800" in repr(value) else
+                                          f"{where} is not valid Unicode text: '\\udfff'")
+
+
+def test_freeze_json_has_no_depth_limit():
+    from llmlab.validation import FrozenDict, freeze_json
+
+    frozen = freeze_json({"a": [1, {"b": [2, 3]}], "c": "d"})
+    assert frozen == {"a": (1, {"b": (2, 3)}), "c": "d"}
+    assert isinstance(frozen, FrozenDict) and isinstance(frozen["a"][1], FrozenDict)
+    shared = {"x": 1}
+    both = freeze_json([shared, shared])
+    assert both == ({"x": 1}, {"x": 1}) and both[0] is both[1]
+    deep = freeze_json(_nested(100_000))  # the recursive version raised RecursionError
+    for _ in range(100_000):
+        deep = deep["a"] if isinstance(deep, FrozenDict) else deep[0]
+    assert deep == "leaf"
+    cycle: dict = {}
+    cycle["self"] = cycle
+    with pytest.raises(ValueError, match="cannot contain itself"):
+        freeze_json(cycle)
+
+
+def test_structured_outputs_json_of_any_depth_is_a_value_error_through_the_python_api():
+    """Deep schemas reach SamplingParams without the server too: a ValueError naming the
+    field, never a RecursionError (dict, or JSON text past the parser's own limit)."""
+    from llmlab.sampling.params import StructuredOutputsParams
+
+    deep: dict = {}
+    inner = deep
+    for _ in range(5000):
+        inner["a"] = {}
+        inner = inner["a"]
+    for value in (deep, "[" * 3000 + "]" * 3000, "[" * 300 + "]" * 300):
+        with pytest.raises(ValueError, match="structured_outputs.json"):
+            StructuredOutputsParams(json=value)

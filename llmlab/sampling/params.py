@@ -23,6 +23,7 @@ import attrs
 
 from llmlab.validation import (
     FrozenDict,
+    check_json,
     as_bool,
     as_int,
     as_real,
@@ -235,20 +236,29 @@ def _output_kind(value: object) -> RequestOutputKind:
     return value
 
 
+# Deep enough for any schema the server passes on (its clients' are bounded at
+# MAX_JSON_DEPTH; tool constraints wrap them a few levels deeper), shallow enough that
+# nothing downstream (json.dumps, the grammar compiler) recurses past Python's limit.
+_MAX_SCHEMA_DEPTH = 256
+
+
 def _json_schema(value: object) -> str | dict | None:
     if value is None:
         return None
     if isinstance(value, str):
         check_encodable("structured_outputs.json", value)
         try:
-            json.loads(value)
+            parsed = json.loads(value)
+        except RecursionError:
+            raise ValueError("structured_outputs.json nests too deeply to parse") from None
         except ValueError as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        check_json("structured_outputs.json", parsed, max_depth=_MAX_SCHEMA_DEPTH)
         return value
     # Frozen (read-only mappings, arrays as tuples): parameters are shared, immutable data.
     if isinstance(value, Mapping):
-        check_encodable("structured_outputs.json", json.dumps(value, ensure_ascii=False,
-                                                              default=str))
+        # Depth and text first, iteratively: json.dumps of a deep value would overflow.
+        check_json("structured_outputs.json", value, max_depth=_MAX_SCHEMA_DEPTH)
         return freeze_json(dict(value))
     schema = getattr(value, "model_json_schema", None)  # a pydantic model class
     if callable(schema):

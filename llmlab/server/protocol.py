@@ -13,13 +13,33 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic_core import PydanticCustomError
+
+from llmlab.validation import check_json
 
 Int = Annotated[int, Field(strict=True)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 Str = Annotated[str, Field(strict=True)]
 TokenIds = list[Int]
+
+
+def _json_value(value: Any, info: ValidationInfo) -> Any:
+    """A free-form JSON field (template arguments, earlier tool calls, ``vllm_xargs``) if it
+    nests at most ``MAX_JSON_DEPTH`` deep and its keys and strings are valid Unicode: the
+    chat template and the tokenizer would otherwise fail on it, or overflow the stack. The
+    schemas and tools are checked where they are read, naming their fields
+    (``request_params._structured``, ``tools.check_tools``)."""
+    try:
+        return check_json(info.field_name, value)
+    except ValueError as err:
+        raise PydanticCustomError("json_value", "{reason}", {"reason": str(err)}) from None
+
+
+# A free-form JSON object (or list of them) from a client, bounded by _json_value.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_json_value)]
+JSONObjects = Annotated[list[dict[str, Any]], AfterValidator(_json_value)]
 
 
 def random_id(prefix: str) -> str:
@@ -127,7 +147,7 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: Bool | None = None
     # vLLM's free-form arguments for components: SamplingParams.extra_args (llmlab reads
     # "kv_budget", the fraction of its KV a request keeps under a KV press, and "kv_press")
-    vllm_xargs: dict[str, Any] | None = None
+    vllm_xargs: JSONObject | None = None
 
 
 # -- completions ---------------------------------------------------------------------------
@@ -215,7 +235,7 @@ class ChatMessageParam(_Request):
     content: Str | list[ContentPart] | None = None
     name: Str | None = None
     # an assistant's earlier tool calls, and a tool message's answer to one (for the template)
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: JSONObjects | None = None
     tool_call_id: Str | None = None
 
 
@@ -231,7 +251,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Str | dict[str, Any] | None = None
     echo: Bool = False
     chat_template: Str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
 
@@ -354,7 +374,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template: Str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     return_token_strs: Bool = False
 
 

@@ -9,6 +9,7 @@ import json
 from llmlab.sampling.params import StructuredOutputsParams
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError
+from llmlab.validation import MAX_JSON_DEPTH, check_encodable, check_json
 
 
 def _default(value, default):
@@ -52,7 +53,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _structured(request) -> StructuredOutputsParams | None:
-    """The one structured-output constraint of a request, from any of its spellings."""
+    """The one structured-output constraint of a request, from any of its spellings.
+
+    A JSON schema (given as an object or as JSON text) must nest at most
+    ``MAX_JSON_DEPTH`` levels and hold only valid Unicode: a 400 naming the field, such as
+    ``response_format.json_schema.schema``, otherwise (checked iteratively, before
+    anything walks the schema recursively)."""
     found: list[tuple[str, dict]] = []
     fmt = request.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -61,14 +67,26 @@ def _structured(request) -> StructuredOutputsParams | None:
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise APIError("response_format of type json_schema needs json_schema.schema",
                            param="response_format")
-        found.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        for name in ("name", "description"):
+            field = f"response_format.json_schema.{name}"
+            try:
+                check_encodable(field, getattr(fmt.json_schema, name) or "")
+            except ValueError as err:
+                raise APIError(str(err), param=field) from None
+        found.append(("response_format", {"json": _checked(
+            "response_format.json_schema.schema", fmt.json_schema.json_schema)}))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         value = getattr(request, name)
         if value is not None:
-            found.append((name, {key: value}))
+            found.append((name, {key: _checked(name, value) if key == "json" else value}))
     if request.structured_outputs is not None:
-        given = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        # the schema checked before anything walks it (model_dump would, recursively)
+        given = request.structured_outputs.model_dump(by_alias=True, exclude_none=True,
+                                                      exclude={"json_"})
+        if request.structured_outputs.json_ is not None:
+            given["json"] = _checked("structured_outputs.json",
+                                     request.structured_outputs.json_)
         found.append(("structured_outputs", given))
     if not found:
         return None
@@ -77,13 +95,31 @@ def _structured(request) -> StructuredOutputsParams | None:
             f"give one structured-output constraint, got {', '.join(n for n, _ in found)}",
             param=found[1][0])
     name, kwargs = found[0]
-    if "json" in kwargs and isinstance(kwargs["json"], str):
-        try:
-            kwargs["json"] = json.loads(kwargs["json"])
-        except json.JSONDecodeError as err:
-            raise APIError(f"{name}: the JSON schema is not valid JSON: {err}",
-                           param=name) from None
     try:
         return StructuredOutputsParams(**kwargs)
     except (ValueError, TypeError) as err:
         raise APIError(f"{name}: {err}", param=name) from err
+
+
+def _checked(field: str, value):
+    """A request's JSON value (or JSON text, parsed) if it nests at most
+    ``MAX_JSON_DEPTH`` deep and all its text is valid Unicode; else a 400 naming
+    ``field`` and the limit (or the place of the bad text)."""
+    if isinstance(value, str):
+        try:
+            check_encodable(field, value)
+            # json.loads recurses: text nested past Python's limit fails, not overflows
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise APIError(f"{field}: the JSON schema is not valid JSON: {err}",
+                           param=field) from None
+        except RecursionError:
+            raise APIError(f"{field} must nest at most {MAX_JSON_DEPTH} levels of objects "
+                           f"and arrays, got more (nested deeper than {MAX_JSON_DEPTH} "
+                           "levels)", param=field) from None
+        except ValueError as err:
+            raise APIError(str(err), param=field) from None
+    try:
+        return check_json(field, value)
+    except ValueError as err:
+        raise APIError(str(err), param=field) from None

@@ -30,10 +30,27 @@ Built-in: ``hermes`` (:class:`HermesToolParser`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from llmlab.registry import Method, check, register, resolve
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD: JSON escapes such as
+    ``"\\ud800"`` decode to one, and no response can carry it (UTF-8 has no encoding for
+    it), so a parser's text that holds one would fail the response."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 class ParsedCall(NamedTuple):
@@ -76,9 +93,10 @@ class HermesToolParser:
     templates (vLLM's ``hermes`` parser). Several blocks give several calls; text outside
     them is the content, without the whitespace that separates it from a call (an output of
     calls alone has ``content`` None). A block is a call once its JSON object has named the
-    function (``"name": "..."``); its ``arguments`` are the text the model wrote for the
-    ``"arguments"`` value (``"{}"`` when there is none), which, as OpenAI warns of its own
-    models, a model that breaks off may leave invalid. A block that names no function (not
+    function (``"name": "..."``, valid Unicode once decoded: ``"\\ud800"`` names nothing);
+    its ``arguments`` are the text the model wrote for the ``"arguments"`` value (``"{}"``
+    when there is none), which, as OpenAI warns of its own models, a model that breaks off
+    may leave invalid. A block that names no function (not
     JSON, no name) stays in the content as written, tags included. A last block the output
     never closes counts as closed at the end. Unlike vLLM, which drops the text after the
     first call and makes the whole output content when one block fails to parse, every
@@ -294,7 +312,8 @@ class _CallScanner:
             self.key = value
             return
         self.expecting_value = False
-        if self.key == "name" and self.name is None and isinstance(value, str) and value:
+        if self.key == "name" and self.name is None and isinstance(value, str) and value \
+                and valid_text(value) is value:  # a name with a lone surrogate names nothing
             self.name = value
         elif self.key == "arguments" and self.args_end is None and self.args_start is not None:
             self.args_end = i + 1

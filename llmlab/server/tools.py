@@ -1,7 +1,9 @@
 """Tool (function) calling on ``/v1/chat/completions``, as vLLM does it (docs/tool_calling.md).
 
-``tools`` are checked (a 400 names the malformed field) and handed to the chat template
-(``apply_chat_template(tools=...)``). ``tool_choice`` decides what the model may write:
+``tools`` are checked (a 400 names the malformed field; every key and string in a tool must
+be valid Unicode and every value nest at most ``MAX_JSON_DEPTH`` deep) and handed to the
+chat template (``apply_chat_template(tools=...)``). ``tool_choice`` decides what the model
+may write:
 
 * ``"none"``: nothing changes (the tools are still shown to the template, as vLLM does by
   default); the answer is plain content.
@@ -10,20 +12,27 @@
   the calls in its text; the rest is content. Only with ``--enable-auto-tool-choice
   --tool-call-parser NAME`` (``build_app(enable_auto_tool_choice=True,
   tool_call_parser=...)``); without them a 400 naming the flags. ``finish_reason`` is
-  ``"tool_calls"`` when the output made calls (as in vLLM).
+  ``"tool_calls"`` when the output made calls and stopped on its own.
 * a named function (``{"type": "function", "function": {"name": ...}}``): the output is
   constrained to the function's ``parameters`` schema and returned as one tool call whose
   ``arguments`` is exactly the generated text. As in vLLM, ``finish_reason`` stays the
   engine's (``"stop"``), not ``"tool_calls"``.
 * ``"required"``: the output is constrained to a JSON array of ``{"name": ..., "parameters":
-  ...}`` objects (vLLM's ``anyOf`` schema), one tool call per element; its ``arguments``
-  are the element's ``parameters`` text as generated. ``finish_reason`` is ``"tool_calls"``
-  when generation stopped (as in vLLM).
+  ...}`` objects (vLLM's ``anyOf`` schema), one tool call per element that has begun its
+  ``parameters``; its ``arguments`` are the element's ``parameters`` text as generated.
+  ``finish_reason`` is ``"tool_calls"`` when generation stopped on its own (as in vLLM).
+
+Cut off by ``max_tokens``, a call that has begun is still a call, its ``arguments`` the text
+written so far, and ``finish_reason`` is ``"length"`` (as OpenAI answers): the client can
+tell it is unfinished. An output cut off before any call began is content.
 
 Streamed (:class:`ToolStreamer`, one per choice), a call opens with a delta holding its id,
 type, name and empty arguments; the argument text follows in fragments, which join into the
 non-streamed ``arguments``. With ``"auto"`` the content streams as content until a call
-starts (the parser holds back what may be the start of one, such as half a tag).
+starts (the parser holds back what may be the start of one, such as half a tag). The
+non-streamed answer is what the stream adds up to, wherever the output was cut; text no
+response can carry (a lone surrogate, from a parser's JSON escape) is made valid
+(:func:`~llmlab.server.tool_parsers.valid_text`) on both paths.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ import attrs
 from llmlab.sampling.params import StructuredOutputsParams
 from llmlab.server import protocol as p
 from llmlab.server.errors import APIError
-from llmlab.server.tool_parsers import CallDelta, ParsedCall, ToolParser
+from llmlab.server.tool_parsers import CallDelta, ParsedCall, ToolParser, valid_text
+from llmlab.validation import check_json, json_field
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -88,6 +98,7 @@ def check_tools(request: p.ChatCompletionRequest, parser: Callable[[], ToolParse
                     'NAME; or use "none", "required" or a named function', param="tool_choice")
             return tools, ToolMode("auto", tools=tools, parser=parser)
         return tools, ToolMode("required")
+    _check_members("tool_choice", choice)
     name = _named_choice(choice)
     if not tools:
         raise APIError("a named tool_choice needs tools", param="tool_choice")
@@ -101,6 +112,8 @@ def _parse_tools(tools: list[dict] | None) -> list[dict]:
     out = []
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
+        # every key and string valid text, every value nested at most MAX_JSON_DEPTH deep
+        _check_members(where, tool, skip="function")
         if tool.get("type", "function") != "function":
             raise APIError(f"{where}.type must be \"function\", got {tool.get('type')!r}",
                            param=f"{where}.type")
@@ -108,6 +121,7 @@ def _parse_tools(tools: list[dict] | None) -> list[dict]:
         if not isinstance(function, dict):
             raise APIError(f"{where}.function must be an object with a name",
                            param=f"{where}.function")
+        _check_members(f"{where}.function", function)
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise APIError(f"{where}.function.name must be a non-empty string, got {name!r}",
@@ -129,6 +143,21 @@ def _parse_tools(tools: list[dict] | None) -> list[dict]:
         out.append({"type": "function", "function": {
             **function, "name": name, "parameters": parameters}})
     return out
+
+
+def _check_members(where: str, obj: dict[str, Any], skip: str | None = None) -> None:
+    """Each member of the request object ``where`` as a JSON value of its own (its key and
+    every string in it valid Unicode, nested at most ``MAX_JSON_DEPTH`` deep): a 400 naming
+    the member otherwise (the message says where inside it). ``skip``: a member checked on
+    its own."""
+    for key, value in obj.items():
+        field = json_field(where, key)
+        try:
+            check_json(field, key)
+            if key != skip:
+                check_json(field, value)
+        except ValueError as err:
+            raise APIError(str(err), param=field) from None
 
 
 def _named_choice(choice: dict[str, Any]) -> str:
@@ -181,7 +210,10 @@ def scan_calls(text: str) -> list[dict]:
             elif ch == '"':
                 in_str = False
                 if depth == 2 and calls:
-                    value = json.loads(text[str_start:i + 1])
+                    try:
+                        value = json.loads(text[str_start:i + 1])
+                    except json.JSONDecodeError:  # a bad escape (unconstrained text)
+                        value = None
                     if expecting and key == "name":
                         calls[-1]["name"] = value
                         expecting = False
@@ -211,31 +243,22 @@ def scan_calls(text: str) -> list[dict]:
 
 
 def final_calls(mode: ToolMode, text: str) -> list[p.ToolCall] | None:
-    """The tool calls of a finished named or required output (None: the text is not a
-    complete call, as when generation ran out of tokens; it is then returned as content)."""
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if mode.kind == "named":
-        return [p.ToolCall(id=tool_call_id(),
-                           function=p.FunctionCall(name=mode.name, arguments=text))]
-    if not isinstance(parsed, list):
-        return None
-    calls = scan_calls(text)
-    if len(calls) != len(parsed) or any(c["name"] is None or c["end"] is None for c in calls):
-        return None
-    return [p.ToolCall(id=tool_call_id(), function=p.FunctionCall(
-        name=c["name"], arguments=text[c["start"]:c["end"]])) for c in calls]
+    """The tool calls of a finished named or required output, exactly as streaming it
+    gives them (None: no call began, the text is then the content). A call cut off by
+    ``max_tokens`` is still a call, with the ``arguments`` written so far: the choice's
+    ``finish_reason`` ``"length"`` says it is unfinished (as OpenAI and vLLM answer)."""
+    return final_message(mode, text)[1]
 
 
 def final_message(mode: ToolMode | None, text: str) -> tuple[str | None, list[p.ToolCall] | None]:
-    """A finished output's ``content`` and ``tool_calls`` (None: no calls)."""
+    """A finished output's ``content`` and ``tool_calls`` (None: no calls): what its
+    stream adds up to, however it was cut."""
     if mode is None:
         return text, None
     if mode.kind != "auto":
-        calls = final_calls(mode, text)
-        return (text, None) if calls is None else (None, calls)
+        content, deltas = ToolStreamer(mode).feed(text, final=True)
+        calls = _joined(deltas)
+        return (content, None) if not calls else (content or None, calls)
     parser = mode.parser()
     content, parsed = _checked_extract(parser, parser.extract(text, mode.tools))
     if not parsed:
@@ -244,18 +267,35 @@ def final_message(mode: ToolMode | None, text: str) -> tuple[str | None, list[p.
         name=c.name, arguments=c.arguments)) for c in parsed]
 
 
+def _joined(deltas: list[p.DeltaToolCall]) -> list[p.ToolCall]:
+    """The calls a list of ``delta.tool_calls`` entries adds up to."""
+    calls: dict[int, p.ToolCall] = {}
+    for d in deltas:
+        if d.index not in calls:
+            calls[d.index] = p.ToolCall(id=d.id, function=p.FunctionCall(
+                name=d.function.name, arguments=d.function.arguments or ""))
+        else:
+            calls[d.index].function.arguments += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> str | None:
-    """vLLM's: ``"tool_calls"`` when an auto choice made calls (whatever stopped it) or a
-    required one stopped; a named one keeps the engine's reason."""
+    """``"tool_calls"`` when an auto or required choice made calls and generation stopped
+    on its own (``"stop"``); otherwise the engine's reason, so a call cut off by
+    ``max_tokens`` says ``"length"`` (as OpenAI does; vLLM answers ``"tool_calls"`` for a
+    cut-off auto call, which hides the cut). A named choice keeps the engine's reason, as
+    in vLLM."""
     if mode is None or reason is None:
         return reason
-    if (mode.kind == "auto" and called) or (mode.kind == "required" and reason == "stop"):
+    if reason == "stop" and called and mode.kind in ("auto", "required"):
         return "tool_calls"
     return reason
 
 
 def _checked_extract(parser, result) -> tuple[str | None, list[ParsedCall]]:
-    """A parser's ``extract`` answer, held to its contract (a broken user parser is named)."""
+    """A parser's ``extract`` answer, held to its contract (a broken user parser is named),
+    with text no response can carry (a lone surrogate, which a JSON escape such as
+    ``"\\ud800"`` decodes to) made valid (:func:`valid_text`)."""
     try:
         content, calls = result
         calls = [ParsedCall(*c) for c in calls]
@@ -266,7 +306,8 @@ def _checked_extract(parser, result) -> tuple[str | None, list[ParsedCall]]:
             for c in calls):
         raise TypeError(f"tool parser {type(parser).__name__}.extract must return (content: "
                         f"str | None, [(name, arguments JSON text), ...]), got {result!r:.200}")
-    return content, calls
+    return (None if content is None else valid_text(content)), [
+        ParsedCall(valid_text(c.name), valid_text(c.arguments)) for c in calls]
 
 
 @attrs.define
@@ -302,13 +343,15 @@ class ToolStreamer:
                 break
             if index == len(self.sent):
                 self.sent.append([tool_call_id(), 0])
-                out.append(self._open(index, call["name"]))
+                out.append(self._open(index, valid_text(call["name"])))
             end = call["end"] if call["end"] is not None else len(self.text)
             fragment = self.text[call["start"]:end][self.sent[index][1]:]
             if fragment:
                 self.sent[index][1] += len(fragment)
                 out.append(p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(
                     arguments=fragment)))
+        if final and not self.sent:
+            return self.text, out  # no call began (cut off early): the text is content
         return "", out
 
     def _feed_auto(self, delta: str, final: bool) -> tuple[str, list[p.DeltaToolCall]]:
@@ -319,7 +362,8 @@ class ToolStreamer:
             if not isinstance(content, str):
                 raise TypeError(f"tool parser {type(self.parser).__name__}.feed must return "
                                 f"(content: str, [CallDelta, ...]), got content {content!r:.200}")
-            return content, [d for piece in pieces for d in self._piece(CallDelta(*piece))]
+            return valid_text(content), [
+                d for piece in pieces for d in self._piece(CallDelta(*piece))]
         # a parser that cannot stream: everything comes with the last delta
         self.text += delta
         if not final:
@@ -340,14 +384,14 @@ class ToolStreamer:
                 raise TypeError(f"tool parser {type(self.parser).__name__} opened call "
                                 f"{piece.index} after {len(self.sent)} calls")
             self.sent.append([tool_call_id(), 0])
-            out.append(self._open(piece.index, piece.name))
+            out.append(self._open(piece.index, valid_text(piece.name)))
         elif not 0 <= piece.index < len(self.sent):
             raise TypeError(f"tool parser {type(self.parser).__name__} sent arguments for "
                             f"call {piece.index}, which it never opened with a name")
         if piece.arguments:
             self.sent[piece.index][1] += len(piece.arguments)
             out.append(p.DeltaToolCall(index=piece.index, function=p.DeltaFunctionCall(
-                arguments=piece.arguments)))
+                arguments=valid_text(piece.arguments))))
         return out
 
     def _open(self, index: int, name: str) -> p.DeltaToolCall:

@@ -175,7 +175,7 @@ def test_tool_choice_excludes_other_constraints(served):
 
 
 def test_required_calls_stream_char_by_char():
-    from llmlab.server.tools import ToolMode, ToolStreamer, final_calls
+    from llmlab.server.tools import ToolMode, ToolStreamer, final_calls, final_message
 
     text = ('[{"name":"get_weather","parameters":{"city":"a}\\"[,"}},'
             '{"name":"forecast","parameters":{"days":3,"x":{"y":[1,{}]}}}]')
@@ -193,7 +193,104 @@ def test_required_calls_stream_char_by_char():
                 got[d.index] = [d.function.name, ""]
             got[d.index][1] += d.function.arguments
     assert [tuple(v) for _, v in sorted(got.items())] == want
-    assert final_calls(mode, text[:-3]) is None  # unfinished: returned as content
+    # cut off (max_tokens): the calls as far as written; before any call began: content
+    cut = [(c.function.name, c.function.arguments) for c in final_calls(mode, text[:-3])]
+    assert cut == [want[0], ("forecast", '{"days":3,"x":{"y":[1,{}]}')]
+    assert final_calls(mode, text[:20]) is None
+    assert final_message(mode, text[:20]) == (text[:20], None)
+
+
+# -- truncation: the streamed answer and the full one say the same ----------------------
+
+TRUNCATED = {
+    "named": '{"city": "Par\\"is", "x": [1, {"y": "}"}]}',
+    "required": ('[{"name": "get_weather", "parameters": {"city": "a}\\"[,"}}, '
+                 '{"name": "forecast", "parameters": {"days": 3}}]'),
+    # content before, between and after the calls
+    "auto": ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": '
+             '"Paris"}}\n</tool_call> and <tool_call>{"name": "forecast", "arguments": '
+             '{"days": 3}}</tool_call> done'),
+}
+
+
+def _mode(kind):
+    from llmlab.server.tool_parsers import HermesToolParser
+    from llmlab.server.tools import ToolMode
+
+    return ToolMode(kind, name="get_weather" if kind == "named" else None, tools=TOOLS,
+                    parser=HermesToolParser)
+
+
+def _assembled(mode, text: str, step: int, reason: str):
+    """What a client assembles from the stream of ``text`` in deltas of ``step``
+    characters: (content, [(name, arguments)], finish_reason)."""
+    from llmlab.server.tools import ToolStreamer, finish_reason
+
+    streamer = ToolStreamer(mode)
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        got, deltas = streamer.feed(piece, final=i == len(pieces) - 1)
+        content += got
+        for d in deltas:
+            if d.function.name is not None:
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments
+    return (content or None, [tuple(calls[i]) for i in sorted(calls)],
+            finish_reason(mode, reason, streamer.called))
+
+
+def _whole(mode, text: str, reason: str):
+    """The non-streamed answer in the same shape."""
+    from llmlab.server.tools import final_message, finish_reason
+
+    content, calls = final_message(mode, text)
+    calls = [(c.function.name, c.function.arguments) for c in calls or []]
+    return content or None, calls, finish_reason(mode, reason, bool(calls))
+
+
+@pytest.mark.parametrize("kind", ["named", "required", "auto"])
+def test_a_cut_off_output_streams_what_the_full_answer_says(kind):
+    """Issue 39: cut by max_tokens anywhere (every character here), the streamed deltas
+    add up to the non-streamed message: the same content, the same calls with the same
+    arguments, the same finish_reason ("length": a call that began is reported, unfinished)."""
+    mode, text = _mode(kind), TRUNCATED[kind]
+    for cut in range(len(text) + 1):
+        reason = "stop" if cut == len(text) else "length"
+        whole = _whole(mode, text[:cut], reason)
+        for step in (1, 2, 5, len(text)):
+            assert _assembled(mode, text[:cut], step, reason) == whole, (cut, step)
+        content, calls, finish = whole
+        if calls:
+            assert finish == ("length" if reason == "length" else
+                              "stop" if kind == "named" else "tool_calls")
+        elif kind != "auto":  # cut before any call began: the text is content
+            assert content == (text[:cut] or None) and finish == reason
+    assert _whole(mode, text, "stop")[1]  # the whole text makes calls
+
+
+def test_a_parser_that_decodes_a_lone_surrogate_cannot_break_the_response():
+    from llmlab.server.tools import ToolMode, ToolStreamer, final_message
+
+    class Decoding:
+        """A user parser that hands back decoded JSON text (a lone surrogate)."""
+
+        def extract(self, text, tools):
+            return "a\ud800", [("f\udfff", '{"q": "\ud800"}')]
+
+    mode = ToolMode("auto", tools=TOOLS, parser=Decoding)
+    content, calls = final_message(mode, "x")
+    assert content == "a\ufffd"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("f\ufffd", '{"q": "\ufffd"}')]
+    streamer = ToolStreamer(mode)
+    assert streamer.feed("x") == ("", [])
+    content, deltas = streamer.feed("", final=True)
+    assert content == "a\ufffd"
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        ("f\ufffd", ""), (None, '{"q": "\ufffd"}')]
+    for d in deltas:
+        d.model_dump_json()  # serializable
 
 
 # -- tool_choice "auto": a tool-call parser reads the model's text -----------------------
@@ -406,3 +503,74 @@ def test_serve_refuses_bad_tool_flags_before_loading_the_model(tmp_path, capsys,
     assert main(["serve", str(tmp_path / "no-model"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
+
+
+def _answers(url, body: dict) -> tuple:
+    """The non-streamed and the streamed answer to ``body`` (a chat request), each as
+    (content, [(name, arguments)], finish_reason); the stream must be well formed."""
+    full = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert full.status_code == 200, full.text
+    choice = full.json()["choices"][0]
+    message = choice["message"]
+    whole = (message["content"] or None,
+             [(c["function"]["name"], c["function"]["arguments"])
+              for c in message["tool_calls"] or []], choice["finish_reason"])
+    content, calls, finish = "", {}, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert "error" not in chunk, chunk
+        for c in chunk["choices"]:
+            finish = c["finish_reason"] or finish
+            content += c["delta"]["content"] or ""
+            for d in c["delta"]["tool_calls"] or []:
+                if d["function"]["name"] is not None:
+                    calls[d["index"]] = [d["function"]["name"], ""]
+                calls[d["index"]][1] += d["function"]["arguments"]
+    streamed = (content or None, [tuple(calls[i]) for i in sorted(calls)], finish)
+    return whole, streamed, full.json()["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["named", "required", "auto"])
+def test_cut_off_calls_stream_what_the_full_answer_says_on_the_real_model(auto_url, kind):
+    """Issue 39 (18 of 36 choices differed): for max_tokens from 1 to past the whole
+    output, the streamed deltas add up to the non-streamed message exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "temperature": 0.0}
+    if kind == "auto":
+        body["guided_regex"] = re.escape(HERMES_TEXT)
+    else:
+        body["tool_choice"] = NAMED if kind == "named" else "required"
+    _, _, length = _answers(auto_url, {**body, "max_tokens": 200})
+    assert length < 200  # the whole output fits: every cut below is a real cut
+    cuts = sorted({*range(1, min(length, 12) + 1), *range(1, length + 2, max(1, length // 12))})
+    with ThreadPoolExecutor(8) as pool:  # concurrent: the engine batches them
+        results = list(pool.map(lambda k: _answers(auto_url, {**body, "max_tokens": k}), cuts))
+    for k, (whole, streamed, _) in zip(cuts, results):
+        assert streamed == whole, k
+        if k < length:
+            assert whole[2] == "length", k  # cut: a call it began is reported, unfinished
+    assert results[-1][0][1]  # the whole output made calls
+
+
+def test_a_call_whose_name_decodes_to_a_lone_surrogate_is_content_not_a_500(auto_url):
+    """Issue 39: the model wrote ``"name": "\\ud800"`` (a JSON escape of a lone surrogate)
+    in a block: the non-streamed answer was a 500, the stream an error event. The block is
+    no call (no response can carry that name): it stays content, streamed or not; a
+    surrogate escape inside the arguments is valid JSON text and stays as written."""
+    bad = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
+    good = '<tool_call>{"name": "forecast", "arguments": {"q": "\\udfff"}}</tool_call>'
+    text = f"{bad} then {good}"
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "temperature": 0.0,
+            "max_tokens": 200, "guided_regex": re.escape(text)}
+    whole, streamed, _ = _answers(auto_url, body)
+    assert whole == streamed == (f"{bad} then", [("forecast", '{"q": "\\udfff"}')],
+                                 "tool_calls")
+    r = httpx.post(f"{auto_url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 2, "tool_choice": "none"})
+    assert r.status_code == 200  # and the server goes on

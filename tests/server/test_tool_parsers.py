@@ -44,6 +44,14 @@ CASES = [
     ("Checking <tool_call>", "Checking <tool_call>", []),
     ("half a tag <tool_c", "half a tag <tool_c", []),
     ("an end tag alone </tool_call>", "an end tag alone </tool_call>", []),
+    # a name that decodes to a lone surrogate names nothing (no response could carry it):
+    # the block stays content as written; an escaped pair is one whole character
+    ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "a\\udfffb", "arguments": {"x": "\\ud800"}}</tool_call> then '
+     '<tool_call>{"name": "\\ud83d\\ude00", "arguments": {"x": "\\ud800"}}</tool_call>',
+     '<tool_call>{"name": "a\\udfffb", "arguments": {"x": "\\ud800"}}</tool_call> then',
+     [("\U0001f600", '{"x": "\\ud800"}')]),
 ]
 
 
@@ -64,6 +72,19 @@ def test_hermes_extract_and_every_streamed_split_agree(text, content, calls):
     assert got == (content, [ParsedCall(*c) for c in calls])
     for step in (1, 2, 3, 4, 7, 11):
         assert _streamed(text, step) == got, step
+
+
+def test_every_parsed_name_and_content_is_valid_unicode():
+    """What the parser hands on can always be encoded (issue 39: a lone surrogate from a
+    JSON escape answered 500)."""
+    from llmlab.server.tool_parsers import valid_text
+
+    for text, _, _ in CASES:
+        content, calls = HermesToolParser().extract(text, [])
+        for piece in [content or "", *(x for c in calls for x in c)]:
+            piece.encode("utf-8")
+    assert valid_text("ok \u00e9") == "ok \u00e9"
+    assert valid_text("a\ud800b\udfff") == "a\ufffdb\ufffd"
 
 
 def test_a_split_tag_is_held_back_not_streamed_as_content():
