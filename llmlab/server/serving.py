@@ -63,11 +63,14 @@ class OpenAIServing:
     Attributes:
         trust_request_chat_template: accept a request's own ``chat_template`` (off by
             default, as in vLLM: a template is code the server runs).
-        template_timeout_s: the longest a chat template may take to render; templates
-            render on ``template_workers`` threads of their own, so a slow one can hold
-            neither the engine loop nor the threads other requests tokenize on, and a
-            request's own template in one of ``template_workers`` worker processes
-            (:mod:`llmlab.server.templates`), ended when it runs past its time.
+        template_timeout_s: the longest a chat template may take to render. The server's
+            own template renders on ``own_template_workers`` threads of its own; a
+            request's own template (``trust_request_chat_template``) in one of
+            ``template_workers`` worker processes (:mod:`llmlab.server.templates`), ended
+            when it runs past its time, waited for on as many threads of their own. So the
+            server's template never waits behind a request's (a template bomb holds only
+            the request-template pool), and neither holds the engine loop or the threads
+            other requests tokenize on.
         max_prompts_per_request / max_sequences_per_request: the most prompts in one
             request, and prompts x ``max(n, best_of)`` (400 beyond them).
         admission: the bounds on work in flight (sequences and tokens, queued or
@@ -88,6 +91,7 @@ class OpenAIServing:
     trust_request_chat_template: bool = False
     template_timeout_s: float = 10.0
     template_workers: int = 2
+    own_template_workers: int = 4
     max_prompts_per_request: int = 256
     max_sequences_per_request: int = 1024
     admission: Admission = attrs.field(factory=Admission)
@@ -97,13 +101,25 @@ class OpenAIServing:
     # The LoRA adapters served by name (llmlab.server.lora.LoRAAdapters), or None.
     lora: Any = None
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
+    _request_templates: concurrent.futures.ThreadPoolExecutor = attrs.field(
+        init=False, default=None)
     _processes: TemplateProcesses | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def __attrs_post_init__(self) -> None:
         self._templates = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.template_workers, thread_name_prefix="llmlab-chat-template"
+            max_workers=self.own_template_workers, thread_name_prefix="llmlab-chat-template"
         )
+        # Each thread waits for one worker process: as many threads as processes.
+        self._request_templates = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.template_workers, thread_name_prefix="llmlab-request-template"
+        )
+
+    def _template_pool(self, request) -> concurrent.futures.ThreadPoolExecutor:
+        """The request's own template renders apart from the server's."""
+        if request.chat_template is not None and self.trust_request_chat_template:
+            return self._request_templates
+        return self._templates
 
     @property
     def tokenizer(self):
@@ -320,7 +336,7 @@ class OpenAIServing:
 
     async def _render(self, request) -> _Prompt:
         """The request's chat prompt, rendered on the template threads within the timeout."""
-        future = self._templates.submit(self._chat_prompt, request)
+        future = self._template_pool(request).submit(self._chat_prompt, request)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self._wait_s(request))
         except asyncio.TimeoutError:
@@ -329,7 +345,7 @@ class OpenAIServing:
 
     def render_sync(self, request) -> _Prompt:
         """:meth:`_render` for callers already on a worker thread (``/tokenize``)."""
-        future = self._templates.submit(self._chat_prompt, request)
+        future = self._template_pool(request).submit(self._chat_prompt, request)
         try:
             return future.result(timeout=self._wait_s(request))
         except concurrent.futures.TimeoutError:
@@ -358,6 +374,7 @@ class OpenAIServing:
     def close(self) -> None:
         """Stop the template threads and worker processes (the app's shutdown)."""
         self._templates.shutdown(wait=False, cancel_futures=True)
+        self._request_templates.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
             self._processes.close()
 
