@@ -70,6 +70,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-timeout-s", type=float, default=600.0,
                         help="how long a rank or replica may take to start, or wait on a "
                         "collective (default 600)")
+    parser.add_argument("--replica-heartbeat-timeout-s", type=float, default=None,
+                        help="with --data-parallel-size > 1: a replica that sends no "
+                        "heartbeat for this long is unresponsive (no new requests; its "
+                        "unstarted requests move to another replica, started ones fail) "
+                        "until it answers again (default 10)")
+    parser.add_argument("--replica-wedged-after-s", type=float, default=None,
+                        help="with --data-parallel-size > 1: so is a replica whose current "
+                        "step has run this long (default 60)")
     # Every other EngineConfig field, generated from it (vLLM's spellings: --enforce-eager,
     # --trust-remote-code, --max-logprobs, --[no-]enable-chunked-prefill,
     # --num-gpu-blocks-override, ...), so a new config field is a flag by itself.
@@ -158,6 +166,9 @@ def _model_or_builtin(model: str | None) -> str:
 
 
 _COMPONENT_FLAGS = ("scheduling_policy", "eviction_policy", "attention_backend", "router")
+# Data-parallel settings that are build_engine keywords, not EngineConfig fields (None:
+# the default).
+_DATA_PARALLEL_FLAGS = ("replica_heartbeat_timeout_s", "replica_wedged_after_s")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
@@ -169,7 +180,11 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 
     fields = [f.name for f in attrs.fields(EngineConfig) if f.name != "model"]
     names = fields + list(_COMPONENT_FLAGS)
-    return {name: getattr(args, name) for name in names}
+    settings = {name: getattr(args, name) for name in names}
+    for name in _DATA_PARALLEL_FLAGS:
+        if getattr(args, name, None) is not None:
+            settings[name] = getattr(args, name)
+    return settings
 
 
 def _build_app(build_app, engine, args, names, model, api_key, chat_template, origins,

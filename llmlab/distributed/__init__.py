@@ -6,7 +6,8 @@
   broadcasts the data-only batch; every rank executes), started with
   ``torch.multiprocessing`` or as Ray actors.
 * :mod:`llmlab.distributed.data_parallel`: N whole engines in N processes behind one front
-  end that routes each request with a :class:`~llmlab.routing.policy.RoutingPolicy`.
+  end that routes each request with a :class:`~llmlab.routing.policy.RoutingPolicy`;
+  :mod:`llmlab.distributed.liveness` finds replicas that hang (heartbeats, a deadline).
 
 See ``docs/distributed.md``.
 """

@@ -35,6 +35,20 @@ Requests are not retried elsewhere (one may have produced output already). New r
 go to the live replicas only; with none left the engine is dead (:class:`ReplicasDeadError`).
 :meth:`DataParallelEngine.health` reports each replica.
 
+Hung replicas (:mod:`llmlab.distributed.liveness`): a replica sends a heartbeat from a
+thread of its own, idle or busy. One that sends nothing for ``replica_heartbeat_timeout_s``
+(stopped, starved), or whose loop has been in one step for ``replica_wedged_after_s``, is
+*unresponsive*, noticed by a thread of the front end's own whether or not anything steps:
+:meth:`~DataParallelEngine.health` says so (naming it and how long it has been silent),
+routers no longer see it, and its requests leave it at once. Those that have produced no
+output yet are routed again, to a replica that answers; those that have fail with a
+:class:`ReplicaFailedError` naming it. It is told to abort them all (it reads that when it
+runs again), and whatever it still reports about them is ignored. When its heartbeats
+come back it is responsive again and takes new requests. While no replica answers,
+new requests are refused (:class:`ReplicasUnavailableError`). The front end never waits on
+a replica: commands go out through a writer thread per replica and reports are read only
+as whole messages (:mod:`llmlab.distributed.replica_handle`).
+
 Shutdown: :meth:`DataParallelEngine.shutdown` (also on garbage collection and at
 interpreter exit) asks every replica to stop, then terminates and kills what is left,
 and its process group with it. A replica exits by itself when the front end dies.
@@ -57,8 +71,16 @@ from typing import Any, NamedTuple
 import attrs
 
 from llmlab import registry
+from llmlab.distributed.liveness import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_WEDGED_AFTER_S,
+    Liveness,
+    Monitor,
+    heartbeat_interval,
+)
 from llmlab.distributed.remote_replica import PromptHashes, RemoteReplica
 from llmlab.distributed.replica_handle import (
+    MessageReader,
     ProcessReplicaHandle,
     ReplicaHandle,
     describe_exit,
@@ -69,6 +91,7 @@ from llmlab.distributed.replica_handle import (
 from llmlab.distributed.replica_process import (
     AbortRequests,
     AddRequest,
+    Heartbeat,
     ReplicaInfo,
     ReplicaSpec,
     StepReport,
@@ -81,7 +104,7 @@ from llmlab.errors import ComponentError, RequestFailedError, component_name
 from llmlab.routing.policy import check_choice
 from llmlab.sampling.params import SamplingParams
 from llmlab.threads import ENV_THREADS, available_cpus
-from llmlab.validation import as_request_ids
+from llmlab.validation import as_real, as_request_ids
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +114,7 @@ __all__ = [
     "ReplicaFailedError",
     "ReplicaStatus",
     "ReplicasDeadError",
+    "ReplicasUnavailableError",
     "build_engine",
     "resolve_router",
 ]
@@ -114,15 +138,22 @@ class ReplicasDeadError(RuntimeError):
     """Every replica is dead: the data-parallel engine cannot take requests."""
 
 
+class ReplicasUnavailableError(ReplicasDeadError):
+    """No replica answers now (each is dead or unresponsive): a request cannot be placed.
+    It may pass: a replica whose heartbeats come back takes requests again."""
+
+
 @attrs.frozen
 class ReplicaStatus:
     """One replica's health (:meth:`DataParallelEngine.health`).
 
     Attributes:
         index: the replica's index.
-        status: ``"ok"`` or ``"dead"``.
+        status: ``"ok"``, ``"unresponsive"`` (it runs but does not answer: no heartbeat
+            within ``replica_heartbeat_timeout_s``, or a wedged step; it may come back)
+            or ``"dead"``.
         pid / exit_code: its process, and how it ended (None while it runs).
-        reason: why it is dead (None when ok).
+        reason: why it is not ok (None when ok), naming the replica.
         num_requests: requests in flight there.
     """
 
@@ -161,6 +192,9 @@ class _InFlight:
     prompt_token_ids: list[int]
     member_ids: tuple[str, ...]  # the engine's ids of its samples (itself when n == 1)
     n: int
+    payload: bytes  # its AddRequest, pickled: sent again if it must move
+    route: _Route  # what the router saw of it
+    started: bool = False  # an output of it has come back (it can no longer move)
 
 
 def resolve_router(router: Any) -> Any:
@@ -178,16 +212,34 @@ def resolve_router(router: Any) -> Any:
 
 
 def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None,
-                 **settings: Any):
+                 replica_heartbeat_timeout_s: float | None = None,
+                 replica_wedged_after_s: float | None = None, **settings: Any):
     """The engine ``LLM(model, tokenizer, **settings)`` runs: an
     :class:`~llmlab.engine.engine.Engine`, or with ``data_parallel_size > 1`` a
-    :class:`DataParallelEngine` routing with ``router``."""
+    :class:`DataParallelEngine` routing with ``router`` (the ``replica_*`` deadlines:
+    :meth:`DataParallelEngine.from_settings`; unused, but checked, with one engine)."""
     builder = EngineBuilder.from_settings(model, tokenizer, **settings)  # checks settings
+    deadlines = _deadlines(replica_heartbeat_timeout_s, replica_wedged_after_s)
     if builder.config.data_parallel_size > 1:
-        return DataParallelEngine.from_settings(model, tokenizer, router=router, **settings)
+        return DataParallelEngine.from_settings(model, tokenizer, router=router,
+                                                **deadlines, **settings)
     if router is not None:
         resolve_router(router)  # a typo fails even when there is nothing to route
     return builder.build()
+
+
+def _deadlines(heartbeat_timeout_s: float | None, wedged_after_s: float | None) -> dict:
+    """The replica deadlines, checked (None: the default)."""
+    return {
+        "replica_heartbeat_timeout_s": as_real(
+            "replica_heartbeat_timeout_s",
+            DEFAULT_HEARTBEAT_TIMEOUT_S if heartbeat_timeout_s is None else heartbeat_timeout_s,
+            min=0, min_inclusive=False),
+        "replica_wedged_after_s": as_real(
+            "replica_wedged_after_s",
+            DEFAULT_WEDGED_AFTER_S if wedged_after_s is None else wedged_after_s,
+            min=0, min_inclusive=False),
+    }
 
 
 def _refuse_pooling(cfg: Any) -> None:
@@ -223,6 +275,11 @@ def _shutdown_live_engines() -> None:
         engine.shutdown()
 
 
+def _finalize(monitor: Monitor, handles: list, timeout: float, fds: tuple[int, int]) -> None:
+    monitor.stop()
+    stop_replicas(handles, timeout, fds)
+
+
 class DataParallelEngine:
     """N engine replicas in N processes behind one front end (see the module docstring).
 
@@ -235,6 +292,9 @@ class DataParallelEngine:
 
     ``step_timeout_s``: how long ``step()`` waits for a replica's report when none is
     ready (``wake()`` ends the wait early: ``AsyncEngine`` calls it on new work).
+    ``heartbeat_timeout_s`` / ``wedged_after_s``: a replica silent for longer, or whose
+    step has run for longer, is unresponsive (the module docstring); its heartbeats must
+    come every :func:`~llmlab.distributed.liveness.heartbeat_interval` of the first.
     """
 
     def __init__(
@@ -246,6 +306,8 @@ class DataParallelEngine:
         *,
         step_timeout_s: float = 0.05,
         stop_timeout_s: float = 10.0,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        wedged_after_s: float = DEFAULT_WEDGED_AFTER_S,
     ) -> None:
         first = infos[0]
         self.num_replicas = len(handles)
@@ -270,11 +332,18 @@ class DataParallelEngine:
         )
         self.router = router
         self.step_timeout_s = step_timeout_s
+        deadlines = _deadlines(heartbeat_timeout_s, wedged_after_s)
+        self.heartbeat_timeout_s = deadlines["replica_heartbeat_timeout_s"]
+        self.wedged_after_s = deadlines["replica_wedged_after_s"]
         self._prompt_hashes = PromptHashes()
+        now = self.clock()
         self.replicas = [
-            RemoteReplica(i, h, info, self._prompt_hashes)
+            RemoteReplica(i, h, info, self._prompt_hashes,
+                          Liveness(self.heartbeat_timeout_s, self.wedged_after_s, now))
             for i, (h, info) in enumerate(zip(handles, infos, strict=True))
         ]
+        self._readers = [MessageReader(h.connection) for h in handles]
+        self._last_read = now  # when step() or the monitor last read every replica
         self.observers: list[StepObserver] = []
         self.replica_observers: list[Callable[[int, StepEvent], None]] = []
         self._requests: dict[str, _InFlight] = {}
@@ -286,8 +355,11 @@ class DataParallelEngine:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._beat_s = heartbeat_interval(self.heartbeat_timeout_s)
+        self._monitor = Monitor(self, DataParallelEngine._check_replicas, self._beat_s)
         self._finalizer = weakref.finalize(
-            self, stop_replicas, list(handles), stop_timeout_s, (self._wake_r, self._wake_w)
+            self, _finalize, self._monitor, list(handles), stop_timeout_s,
+            (self._wake_r, self._wake_w),
         )
         global _ATEXIT_REGISTERED
         _LIVE_ENGINES.add(self)
@@ -305,11 +377,19 @@ class DataParallelEngine:
         *,
         router: Any = None,
         step_timeout_s: float = 0.05,
+        replica_heartbeat_timeout_s: float | None = None,
+        replica_wedged_after_s: float | None = None,
         **settings: Any,
     ) -> DataParallelEngine:
         """Start ``data_parallel_size`` replicas, each built as ``LLM(model, tokenizer,
         **settings)`` would build one engine, and return their front end once all are
         ready (within ``distributed_timeout_s``).
+
+        ``replica_heartbeat_timeout_s`` (default 10): a replica that sends no heartbeat
+        for this long is unresponsive (it beats every quarter of it, at most once a
+        second). ``replica_wedged_after_s`` (default 60, as ``AsyncEngine``'s
+        ``wedged_after_s``): so is one whose current step has run for this long; raise it
+        where one step may legitimately take longer (a first step that compiles kernels).
 
         Settings are checked here first (``ValueError``/``TypeError`` naming the field).
         Components given as instances are pickled to each replica (each gets its own
@@ -321,6 +401,8 @@ class DataParallelEngine:
         is seeded with ``seed + i``, so replicas do not draw the same random numbers.
         """
         cfg = EngineBuilder.from_settings(model, tokenizer, **settings).config
+        deadlines = _deadlines(replica_heartbeat_timeout_s, replica_wedged_after_s)
+        beat_s = heartbeat_interval(deadlines["replica_heartbeat_timeout_s"])
         _refuse_pooling(cfg)
         if cfg.enable_lora:
             from llmlab.lora.attach import check_lora_settings
@@ -352,7 +434,8 @@ class DataParallelEngine:
                 own["seed"] = cfg.seed + i
             if plan.visible_devices[i] is not None:
                 own["device"] = "cuda"  # its own devices are the only ones it sees
-            spec = ReplicaSpec(i, model, tokenizer, own, plan.visible_devices[i], os.getpid())
+            spec = ReplicaSpec(i, model, tokenizer, own, plan.visible_devices[i], os.getpid(),
+                               heartbeat_interval_s=beat_s)
             handles.append(handle_class(spec))
         try:
             text_tokenizer = None
@@ -375,7 +458,9 @@ class DataParallelEngine:
         except BaseException:
             stop_replicas(handles, 5.0, ())
             raise
-        engine = cls(handles, infos, router, text_tokenizer, step_timeout_s=step_timeout_s)
+        engine = cls(handles, infos, router, text_tokenizer, step_timeout_s=step_timeout_s,
+                     heartbeat_timeout_s=deadlines["replica_heartbeat_timeout_s"],
+                     wedged_after_s=deadlines["replica_wedged_after_s"])
         engine.config = attrs.evolve(
             engine.config, device=cfg.device, cpu_threads=cfg.cpu_threads,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -400,9 +485,9 @@ class DataParallelEngine:
     ) -> PreparedRequest:
         """Check and tokenize a request here, without sending it anywhere (as
         :meth:`Engine.prepare_request`); raises :class:`ReplicasDeadError` when no
-        replica is alive."""
+        replica is alive (:class:`ReplicasUnavailableError` when none answers now)."""
         if not self.is_alive:
-            raise ReplicasDeadError(self.dead_reason())
+            raise self._no_replica()
         return self.inputs.prepare(
             request_id, prompt, params, arrival_time, priority, user, self.clock()
         )
@@ -423,9 +508,10 @@ class DataParallelEngine:
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
-        """Route a request checked by :meth:`prepare_request` to a live replica and send
-        it. Raises ``ValueError`` when its id is in use or it cannot be pickled (a custom
-        logits processor, say), :class:`ReplicasDeadError` when no replica lives."""
+        """Route a request checked by :meth:`prepare_request` to a live replica that
+        answers and send it. Raises ``ValueError`` when its id is in use or it cannot be
+        pickled (a custom logits processor, say), :class:`ReplicasDeadError` when no
+        replica lives (:class:`ReplicasUnavailableError` when none answers now)."""
         if not isinstance(prepared, PreparedRequest):
             raise TypeError(
                 f"expected a PreparedRequest (from prepare_request), got {type(prepared).__name__}"
@@ -448,36 +534,46 @@ class DataParallelEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
+        route = _Route(request_id, tuple(prompt_ids), max_tokens, prepared.user, None)
         with self._lock:
             if self._closed:
                 raise ReplicasDeadError("the data-parallel engine was shut down")
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            refused: set[int] = set()
-            while True:
-                live = [r for r in self.replicas if r.is_live and r.replica_index not in refused]
-                if not live:
-                    raise ReplicasDeadError(self.dead_reason())
-                position = self._route(
-                    _Route(request_id, tuple(prompt_ids), max_tokens, prepared.user, None), live
-                )
-                replica = live[position]
-                try:
-                    replica.handle.send_bytes(payload)
-                    break
-                except (OSError, EOFError, ValueError):
-                    # It died just now (step() will say so): nothing reached it, so another
-                    # replica may take the request.
-                    refused.add(replica.replica_index)
-            replica.commands_sent += 1
-            replica.requests.add(request_id)
-            replica.unreported.add(request_id)
-            for i, member in enumerate(members):
-                replica.routed(member, len(prompt_ids) if i == 0 else 0, max_tokens)
-            self._requests[request_id] = _InFlight(
-                replica.replica_index, position, replica.commands_sent, prepared.prompt,
-                list(prompt_ids), members, params.n,
-            )
+            record = _InFlight(-1, -1, 0, prepared.prompt, list(prompt_ids), members,
+                               params.n, payload, route)
+            self._place(record)
+            self._requests[request_id] = record
+
+    def _place(self, record: _InFlight) -> None:
+        """Route a request among the replicas that answer, send it to the one chosen and
+        note where it went (in ``record`` and that replica's view). Raises
+        :class:`ReplicasDeadError` (:class:`ReplicasUnavailableError` while some live
+        replica does not answer) when none can take it."""
+        request_id = record.route.request_id
+        refused: set[int] = set()
+        while True:
+            candidates = [r for r in self.replicas
+                          if r.is_responsive and r.replica_index not in refused]
+            if not candidates:
+                raise self._no_replica()
+            position = self._route(record.route, candidates)
+            replica = candidates[position]
+            try:
+                replica.handle.send_bytes(record.payload)
+                break
+            except (OSError, EOFError, ValueError):
+                # It died just now (step() will say so): nothing reached it, so another
+                # replica may take the request.
+                refused.add(replica.replica_index)
+        replica.commands_sent += 1
+        replica.requests.add(request_id)
+        replica.unreported.add(request_id)
+        for i, member in enumerate(record.member_ids):
+            replica.routed(member, len(record.prompt_token_ids) if i == 0 else 0,
+                           record.route.max_tokens)
+        record.replica, record.position = replica.replica_index, position
+        record.command = replica.commands_sent
 
     def _route(self, request: _Route, live: list[RemoteReplica]) -> int:
         for position, replica in enumerate(live):
@@ -515,11 +611,12 @@ class DataParallelEngine:
         return request_id in self._requests
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, outputs not yet returned, or commands a live replica has
-        not answered yet (an abort's report, say)."""
+        """Requests in flight, outputs not yet returned, or commands a replica that
+        answers has not answered yet (an abort's report, say)."""
         if self._requests or self._undelivered or self._failures:
             return True
-        return any(r.commands_sent > r.commands_done for r in self.replicas if r.is_live)
+        return any(r.commands_sent > r.commands_done for r in self.replicas
+                   if r.is_responsive)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -541,31 +638,46 @@ class DataParallelEngine:
             self.observers.remove(observer)
 
     def health(self) -> list[ReplicaStatus]:
-        """Each replica's status now (a replica whose process ended is ``"dead"`` even
-        before a step has noticed)."""
+        """Each replica's status now: ``"ok"``, ``"unresponsive"`` (with how long it has
+        been silent, or its step has run) or ``"dead"`` (a replica whose process ended is
+        dead even before a step has noticed)."""
         statuses = []
         with self._lock:
+            now = self.clock()
             for r in self.replicas:
                 handle = r.handle
                 reason = r.dead_reason
                 if reason is None and not handle.is_alive():
                     reason = self._death_reason(r)
+                status = "ok" if reason is None else "dead"
+                if reason is None and r.unresponsive is not None:
+                    status, reason = "unresponsive", self._unresponsive_reason(r, now)
                 statuses.append(ReplicaStatus(
-                    r.replica_index, "ok" if reason is None else "dead", handle.pid,
-                    handle.exit_code, reason, len(r.requests),
+                    r.replica_index, status, handle.pid, handle.exit_code, reason,
+                    len(r.requests),
                 ))
         return statuses
 
     @property
     def is_alive(self) -> bool:
-        """Whether at least one replica can take requests."""
-        return not self._closed and any(r.is_live for r in self.replicas)
+        """Whether at least one replica can take requests now (False while none answers:
+        it turns True again when one does)."""
+        return not self._closed and any(r.is_responsive for r in self.replicas)
+
+    def _no_replica(self) -> ReplicasDeadError:
+        """The error for a request no replica can take now."""
+        if not self._closed and any(r.is_live for r in self.replicas):
+            return ReplicasUnavailableError(self.dead_reason())
+        return ReplicasDeadError(self.dead_reason())
 
     def dead_reason(self) -> str:
         if self._closed:
             return "the data-parallel engine was shut down"
-        dead = [s.reason for s in self.health() if s.reason is not None]
-        return "every replica is dead: " + "; ".join(dead)
+        statuses = self.health()
+        reasons = [s.reason for s in statuses if s.reason is not None]
+        if all(s.status == "dead" for s in statuses):
+            return "every replica is dead: " + "; ".join(reasons)
+        return "no replica answers (each is dead or unresponsive): " + "; ".join(reasons)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -597,6 +709,7 @@ class DataParallelEngine:
                 handle = r.handle
                 if handle.connection in ready or handle.sentinel in ready:
                     self._read(r)
+            self._last_read = self.clock()
             if self._failures:
                 raise self._failures.popleft()
             outputs, self._undelivered = self._undelivered, []
@@ -617,20 +730,18 @@ class DataParallelEngine:
             pass
 
     def _read(self, replica: RemoteReplica) -> None:
-        """Apply every report the replica has sent; its death if it is gone."""
-        conn = replica.handle.connection
-        try:
-            while conn.poll(0):
-                message = conn.recv()
-                if isinstance(message, StepReport):
-                    self._apply(replica, message)
-                else:
-                    logger.error("replica %d sent an unexpected %r", replica.replica_index,
-                                 type(message).__name__)
-        except (EOFError, OSError):
-            self._died(replica)
-            return
-        if not replica.handle.is_alive():
+        """Apply every whole message the replica has sent; its death if it is gone."""
+        messages, closed = self._readers[replica.replica_index].read()
+        now = self.clock()
+        for message in messages:
+            if replica.liveness is not None:
+                replica.liveness.heard(now, message)
+            if isinstance(message, StepReport):
+                self._apply(replica, message)
+            elif not isinstance(message, Heartbeat):
+                logger.error("replica %d sent an unexpected %r", replica.replica_index,
+                             type(message).__name__)
+        if closed or not replica.handle.is_alive():
             self._died(replica)
 
     def _apply(self, replica: RemoteReplica, report: StepReport) -> None:
@@ -648,7 +759,8 @@ class DataParallelEngine:
         for output in report.outputs:
             record = self._current(output.request_id, replica, report)
             if record is None:
-                continue  # aborted meanwhile, or an earlier request of the same id
+                continue  # aborted or moved meanwhile, or an earlier request of the same id
+            record.started = True
             if output.finished:
                 del self._requests[output.request_id]
                 self._finished(output.request_id, record)
@@ -698,9 +810,14 @@ class DataParallelEngine:
         and the error ``step()`` raises for it (a :class:`ReplicaFailedError` unless the
         engine itself refused the request: a plain ``RequestFailedError``, as one engine
         raises it)."""
-        del self._requests[request_id]
         self.replicas[record.replica].forget(record.member_ids)
         self._finished(request_id, record)
+        self._end_failed(request_id, record, reason, error)
+
+    def _end_failed(self, request_id: str, record: _InFlight, reason: str,
+                    error: type[RequestFailedError] = None) -> None:
+        """:meth:`_fail` once the request's replica view and router have let it go."""
+        del self._requests[request_id]
         self._undelivered.append(RequestOutput(
             request_id, record.prompt, record.prompt_token_ids,
             [CompletionOutput(i, "", [], None, finish_reason="abort") for i in range(record.n)],
@@ -733,6 +850,97 @@ class DataParallelEngine:
         replica.requests.clear()
         replica.died(reason)
 
+    # -- hung replicas -------------------------------------------------------------------
+
+    def _check_replicas(self) -> None:
+        """Judge every live replica by its heartbeats (the monitor thread, every heartbeat
+        interval). What a replica sent is read first (all of them, if no step has read
+        lately): silence is measured from the last message read, never from a front end
+        that was slow to read. A replica that stops answering loses its requests
+        (:meth:`_unresponsive`); one that answers again takes requests again."""
+        with self._lock:
+            if self._closed:
+                return
+            now = self.clock()
+            read_all = now - self._last_read > self._beat_s
+            for replica in self.replicas:
+                liveness = replica.liveness
+                if replica.dead_reason is not None or liveness is None:
+                    continue
+                if read_all or liveness.verdict(now) is not None:
+                    self._read(replica)
+                    if replica.dead_reason is not None:
+                        continue
+                verdict = liveness.verdict(self.clock())
+                if verdict is None and replica.unresponsive is not None:
+                    self._rejoined(replica)
+                elif verdict is not None and replica.unresponsive is None:
+                    self._unresponsive(replica, verdict)
+                elif verdict is not None:
+                    replica.unresponsive = verdict  # silent <-> wedged
+            if read_all:
+                self._last_read = now
+            news = bool(self._undelivered or self._failures)
+        if news:
+            self.wake()  # a step() waiting for reports returns them now
+
+    def _unresponsive_reason(self, replica: RemoteReplica, now: float) -> str:
+        return (f"replica {replica.replica_index} (pid {replica.handle.pid}) is unresponsive: "
+                f"{replica.liveness.describe(replica.unresponsive, now)}")
+
+    def _unresponsive(self, replica: RemoteReplica, verdict: str) -> None:
+        """The replica stopped answering: routers no longer see it, and its requests
+        leave it now. One that has produced no output yet goes to a replica that answers
+        (it fails only if none does); one that has fails with a
+        :class:`ReplicaFailedError` naming the replica. The replica is told to abort them
+        all (it reads that when it runs again), and what it still reports of them is
+        ignored (:meth:`_current`)."""
+        replica.unresponsive = verdict
+        reason = self._unresponsive_reason(replica, self.clock())
+        ids = sorted(replica.requests)
+        logger.error("%s; it takes no new requests until it answers again%s", reason,
+                     f", and its {len(ids)} request(s) leave it" if ids else "")
+        for request_id in ids:
+            record = self._requests.get(request_id)
+            if record is None:
+                continue
+            if record.started:
+                self._fail(request_id, record,
+                           f"{reason}; the request had started there, so it was aborted "
+                           "(a request that has produced output is not retried)")
+            else:
+                self._move(request_id, record, reason)
+        replica.requests.clear()
+        if ids:
+            try:
+                replica.handle.send_bytes(pickle.dumps(AbortRequests(tuple(ids))))
+                replica.commands_sent += 1
+            except (OSError, EOFError, ValueError):
+                pass  # it died: nothing of it is left to stop
+
+    def _move(self, request_id: str, record: _InFlight, reason: str) -> None:
+        """Send a request that has produced no output to another replica."""
+        old = self.replicas[record.replica]
+        old.forget(record.member_ids)
+        self._finished(request_id, record)  # its router hears it left the old replica
+        try:
+            self._place(record)
+        except ReplicasDeadError:
+            self._end_failed(request_id, record, f"{reason}; the request had not started "
+                             "there, but no other replica answers now")
+            return
+        except Exception as err:  # noqa: BLE001 - the router failed: this request fails
+            self._end_failed(request_id, record, f"{reason}; the request had not started "
+                             f"there, but routing it again failed: {type(err).__name__}: {err}")
+            return
+        logger.info("request %r moved from replica %d (unresponsive) to replica %d",
+                    request_id, old.replica_index, record.replica)
+
+    def _rejoined(self, replica: RemoteReplica) -> None:
+        logger.warning("replica %d (pid %s) answers again; it takes requests again",
+                       replica.replica_index, replica.handle.pid)
+        replica.unresponsive = None
+
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -744,6 +952,7 @@ class DataParallelEngine:
             self._requests.clear()
             for replica in self.replicas:  # under the lock: no command is half sent
                 replica.handle.request_stop()
+        self._monitor.stop()
         self._finalizer()
         _LIVE_ENGINES.discard(self)
 

@@ -68,6 +68,7 @@ from typing import Any
 import attrs
 
 from llmlab.distributed.ray_workers import _connect, _death_reason, _import_ray
+from llmlab.distributed.replica_handle import CommandWriter
 from llmlab.distributed.replica_process import ReplicaSpec, Shutdown, run_replica
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class RayReplicaHandle:
     pid: int | None = None
     _ray: Any = attrs.field(default=None, repr=False)
     _conn: Any = attrs.field(default=None, repr=False)
+    _writer: CommandWriter | None = attrs.field(default=None, repr=False)
     _server: Any = attrs.field(default=None, repr=False)
     _authkey: bytes = attrs.field(default=b"", repr=False)
     _deadline: float = attrs.field(default=0.0, repr=False)
@@ -342,18 +344,22 @@ class RayReplicaHandle:
     # -- commands and stopping ---------------------------------------------------------
 
     def send_bytes(self, payload: bytes) -> None:
-        conn = self.connection
-        if conn is None:
-            raise OSError(f"replica {self.index} is not connected")
-        conn.send_bytes(payload)
+        """Queue a command for the actor (written by a thread of its own, so a replica
+        that stopped reading never blocks the front end)."""
+        if self._writer is None:
+            conn = self.connection
+            if conn is None:
+                raise OSError(f"replica {self.index} is not connected")
+            self._writer = CommandWriter(conn, f"llmlab-dp-commands-{self.index}")
+        self._writer.send(payload)
 
     def request_stop(self) -> None:
         if self._stop_requested or self._conn is None:
             return
         self._stop_requested = True
         try:
-            self._conn.send_bytes(pickle.dumps(Shutdown()))
-        except (OSError, ValueError):
+            self.send_bytes(pickle.dumps(Shutdown()))
+        except OSError:
             pass  # already gone
 
     def stop(self, timeout: float) -> None:
@@ -381,6 +387,8 @@ class RayReplicaHandle:
                 _await_death(ray, self.actor, _KILL_WAIT_S)
             except Exception:  # noqa: BLE001 - already dead, or the cluster is gone
                 logger.debug("stopping the actor of replica %d", self.index, exc_info=True)
+        if self._writer is not None:  # the actor is gone: a pending write fails at once
+            self._writer.close(1.0)
         if self._conn is not None:
             self._conn.close()
         # The sentinel's read end stays open (the front end may still hold its number);

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from llmlab.cache.prefix_index import ROOT_HASH, chain_hash
+from llmlab.distributed.liveness import Liveness
 from llmlab.distributed.replica_handle import ReplicaHandle
 from llmlab.distributed.replica_process import ReplicaInfo
 from llmlab.engine.events import StepEvent
@@ -46,10 +47,14 @@ class RemoteReplica(EngineReplica):
     of its prefix index: the chained hash of each block it reported cached, dropped when
     reported evicted (same hashing as :mod:`llmlab.cache.prefix_index`; a collision only
     misplaces a request).
+
+    ``liveness`` is what the front end has heard from it (None: never judged), and
+    ``unresponsive`` the verdict while it does not answer (``"silent"``, ``"wedged"``):
+    an unresponsive replica is live (it may answer again) but not shown to routers.
     """
 
     def __init__(self, index: int, handle: ReplicaHandle, info: ReplicaInfo,
-                 prompt_hashes: PromptHashes) -> None:
+                 prompt_hashes: PromptHashes, liveness: Liveness | None = None) -> None:
         # No engine in this process: EngineReplica's state, set up without subscribing.
         self.index = self.replica_index = index
         self.engine = None
@@ -68,6 +73,8 @@ class RemoteReplica(EngineReplica):
         self._hash_of_block: dict[int, int] = {}
         self._block_of_hash: dict[int, int] = {}
         self.dead_reason: str | None = None
+        self.liveness = liveness
+        self.unresponsive: str | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -80,6 +87,11 @@ class RemoteReplica(EngineReplica):
     @property
     def is_live(self) -> bool:
         return self.dead_reason is None and self.handle.is_alive()
+
+    @property
+    def is_responsive(self) -> bool:
+        """Live and answering: a replica a request may be sent to."""
+        return self.unresponsive is None and self.is_live
 
     def follow(self, event: StepEvent, cached: Iterable[tuple[int, int]]) -> None:
         """Apply one reported event (and the hashes of its cached blocks)."""

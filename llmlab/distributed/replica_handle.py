@@ -8,6 +8,12 @@ connects back over an authenticated ``multiprocessing.connection`` socket (and s
 it ended with ``describe_exit()``). :func:`plan_devices` says which
 devices each replica gets; :func:`wait_ready` waits for replicas to build their engines and
 :func:`stop_replicas` stops them.
+
+Commands go out through a :class:`CommandWriter`, a thread per replica: a replica that
+stops reading (SIGSTOP, a wedged loop) fills its pipe, and a plain write would then block
+the front end, every other replica's requests with it. Reports come in through a
+:class:`MessageReader`, which never waits for the rest of a message: a replica stopped
+halfway through writing one cannot block the front end either.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
+import struct
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -56,7 +65,9 @@ class ReplicaHandle(Protocol):
     def start(self) -> None: ...
 
     def send_bytes(self, payload: bytes) -> None:
-        """Send a pickled command; raises ``OSError`` (or ``EOFError``) if it is gone."""
+        """Send a pickled command without waiting for the replica to read it (a
+        :class:`CommandWriter`); raises ``OSError`` (or ``EOFError``) if it is known to be
+        gone."""
         ...
 
     def is_alive(self) -> bool: ...
@@ -70,6 +81,87 @@ class ReplicaHandle(Protocol):
         ...
 
 
+class CommandWriter:
+    """Writes a replica's commands, in order, from a thread of its own: ``send`` never
+    waits for the replica to read (a stopped replica's full pipe blocks only this thread;
+    it reads them all, in order, once it runs again).
+
+    After a write fails (the replica is gone) the rest are dropped and ``send`` raises
+    ``OSError``; the front end learns of the death from the connection or the sentinel.
+    """
+
+    def __init__(self, connection: Any, name: str) -> None:
+        self._connection = connection
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, payload: bytes) -> None:
+        if self.error is not None:
+            raise OSError(f"the connection is gone ({type(self.error).__name__}: {self.error})")
+        self._queue.put(payload)
+
+    def close(self, timeout: float) -> None:
+        """Stop after the commands queued so far (waiting up to ``timeout`` for them)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            payload = self._queue.get()
+            if payload is None:
+                return
+            try:
+                self._connection.send_bytes(payload)
+            except Exception as err:  # noqa: BLE001 - gone (or closed under us): stop writing
+                self.error = err
+                return
+
+
+class MessageReader:
+    """Reads a replica's messages (``multiprocessing`` framing: a 4-byte big-endian
+    length, or -1 and an 8-byte one, then the pickle) without ever waiting: it takes the
+    bytes that have arrived and unpickles each message once all of it is there.
+    ``Connection.recv`` would wait for the rest of a message whose writer was stopped
+    halfway (a report longer than one write)."""
+
+    def __init__(self, connection: Any) -> None:
+        self._fd = connection.fileno()
+        self._buffer = bytearray()
+
+    def read(self) -> tuple[list[Any], bool]:
+        """``(every whole message that has arrived, oldest first; whether the replica has
+        closed its end)``."""
+        closed = False
+        try:
+            while multiprocessing.connection.wait([self._fd], 0):
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    closed = True
+                    break
+                self._buffer += chunk
+        except OSError:
+            closed = True  # reset, or closed under us
+        return self._messages(), closed
+
+    def _messages(self) -> list[Any]:
+        buffer, start, found = self._buffer, 0, []
+        while len(buffer) - start >= 4:
+            (size,), head = struct.unpack_from("!i", buffer, start), 4
+            if size == -1:
+                if len(buffer) - start < 12:
+                    break
+                (size,), head = struct.unpack_from("!Q", buffer, start + 4), 12
+            if len(buffer) - start - head < size:
+                break  # the rest has not arrived yet
+            body = start + head
+            found.append(pickle.loads(buffer[body:body + size]))
+            start = body + size
+        del buffer[:start]
+        return found
+
+
 @attrs.define(eq=False)
 class ProcessReplicaHandle:
     """A replica in a process of its own (spawned: CUDA cannot be forked; not daemonic,
@@ -78,6 +170,7 @@ class ProcessReplicaHandle:
     spec: ReplicaSpec
     connection: Any = None
     _process: Any = None
+    _writer: CommandWriter | None = None
     _stop_requested: bool = False
     _stopped: bool = False
 
@@ -109,9 +202,12 @@ class ProcessReplicaHandle:
         process.start()
         theirs.close()  # only the child holds its end: its death is an EOF here
         self.connection, self._process = ours, process
+        self._writer = CommandWriter(ours, f"llmlab-dp-commands-{self.spec.index}")
 
     def send_bytes(self, payload: bytes) -> None:
-        self.connection.send_bytes(payload)
+        if self._writer is None:
+            raise OSError(f"replica {self.index} was not started")
+        self._writer.send(payload)
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
@@ -121,8 +217,8 @@ class ProcessReplicaHandle:
             return
         self._stop_requested = True
         try:
-            self.connection.send_bytes(pickle.dumps(Shutdown()))
-        except (OSError, ValueError):
+            self.send_bytes(pickle.dumps(Shutdown()))
+        except OSError:
             pass  # already gone
 
     def stop(self, timeout: float) -> None:
@@ -146,6 +242,8 @@ class ProcessReplicaHandle:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError, OSError):
             pass
+        if self._writer is not None:  # its process is gone: a pending write fails at once
+            self._writer.close(1.0)
         self.connection.close()
 
 

@@ -7,13 +7,20 @@ The messages are small frozen attrs classes, pickled over one duplex
 * front end -> replica: :class:`AddRequest` (a request the front end already checked and
   tokenized), :class:`AbortRequests`, :class:`Shutdown`;
 * replica -> front end: :class:`ReplicaReady` (the engine's facts, once built) or
-  :class:`ReplicaStartFailed`, then one :class:`StepReport` per step that did anything.
+  :class:`ReplicaStartFailed`, then one :class:`StepReport` per step that did anything,
+  and a :class:`Heartbeat` every ``heartbeat_interval_s``.
 
 The replica runs on its own clock, not in lock-step with the others: it drains whatever
 commands have arrived, steps while it has work, and reports each step's outputs and
 ``StepEvent`` with the chained hash of every block that entered its prefix index, so the
 front end can mirror the index as ``{block id: hash}`` (dropping ``blocks_evicted``) and
 answer a router's ``cached_prefix_tokens`` without asking.
+
+Heartbeats: a thread of the replica's own sends a :class:`Heartbeat` at a fixed interval,
+idle or busy, so the front end can tell a replica that is merely quiet from one that does
+not run (stopped, starved) and one whose loop is stuck in a step (the heartbeat says how
+long the loop has been in its current pass). The front end judges them
+(:mod:`llmlab.distributed.liveness`).
 
 Nothing is orphaned: the replica exits when its connection reaches EOF (the front end
 closed it or died) and a watchdog thread ends it when its parent process changes, even in
@@ -58,6 +65,7 @@ class ReplicaSpec:
             each replica gets its own).
         cuda_visible_devices: set in the child before CUDA starts (None: leave it).
         parent_pid: the front end's process; the replica ends when it goes.
+        heartbeat_interval_s: how often it sends a :class:`Heartbeat`.
     """
 
     index: int
@@ -66,6 +74,7 @@ class ReplicaSpec:
     settings: dict[str, Any]
     cuda_visible_devices: str | None
     parent_pid: int
+    heartbeat_interval_s: float = 1.0
 
 
 @attrs.frozen
@@ -140,6 +149,21 @@ class StepReport:
     refused: tuple[tuple[str, str], ...] = ()
 
 
+@attrs.frozen
+class Heartbeat:
+    """The replica's process runs (sent by a thread of its own, idle or busy).
+
+    Attributes:
+        stuck_s: how long the engine loop has been in its current pass (applying
+            commands, or a step), counting only time the process ran: near 0 while the
+            loop goes round, growing while a step does not end.
+        in_step: whether that pass is an engine step.
+    """
+
+    stuck_s: float
+    in_step: bool
+
+
 # -- the child process -----------------------------------------------------------------
 
 
@@ -169,7 +193,7 @@ def run_replica(spec: ReplicaSpec, conn) -> None:
         ))
         return
     try:
-        _ReplicaLoop(spec.index, engine, conn).run()
+        _ReplicaLoop(spec.index, engine, conn, spec.heartbeat_interval_s).run()
     finally:
         _close_engine(engine)
 
@@ -256,13 +280,52 @@ class _Sender:
                 return
 
 
+class _Heartbeat:
+    """Sends a :class:`Heartbeat` every ``interval`` seconds from a thread of its own.
+
+    A thread proves the process is scheduled, not that the engine makes progress, so each
+    beat also says how long the loop has been in its current pass (``loop.pass_started``,
+    ``loop.in_step``). Time the process did not run (SIGSTOP, a starved machine: the
+    beat came late) does not count as the loop being stuck: the stall is measured from
+    whichever is later, the pass's start or the process's return.
+    """
+
+    def __init__(self, loop: _ReplicaLoop, interval: float) -> None:
+        self._loop = loop
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmlab-dp-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        loop = self._loop
+        last = resumed = time.monotonic()
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            if now - last > 2 * self._interval + 0.5:
+                resumed = now  # this process did not run for a while: it is back now
+            last = now
+            stuck = now - max(loop.pass_started, resumed)
+            loop.sender.send(Heartbeat(round(max(stuck, 0.0), 3), loop.in_step))
+
+
 class _ReplicaLoop:
     """Drain commands, step while there is work, report each step."""
 
-    def __init__(self, index: int, engine: Any, conn) -> None:
+    def __init__(self, index: int, engine: Any, conn,
+                 heartbeat_interval_s: float = 1.0) -> None:
         self.index = index
         self.engine = engine
         self.conn = conn
+        self.heartbeat_interval_s = heartbeat_interval_s
+        # When the loop began its current pass, and whether that pass is a step (read by
+        # the heartbeat thread).
+        self.pass_started = time.monotonic()
+        self.in_step = False
         self.commands_done = 0
         self.commands_reported = 0
         self.live: set[str] = set()  # caller request ids queued here, not yet finished
@@ -288,6 +351,7 @@ class _ReplicaLoop:
             num_kv_blocks=kv.num_blocks,
             enable_prefix_caching=kv.enable_prefix_caching,
         )))
+        heartbeat = _Heartbeat(self, self.heartbeat_interval_s)
         try:
             while True:
                 busy = self.step_again or self.engine.has_unfinished_requests()
@@ -295,8 +359,14 @@ class _ReplicaLoop:
                 if consumed is None or self.sender.failed.is_set():
                     return  # shutdown, or the front end is gone
                 if busy or consumed or self.engine.has_unfinished_requests():
-                    self._step()
+                    self.pass_started, self.in_step = time.monotonic(), True
+                    try:
+                        self._step()
+                    finally:
+                        self.in_step = False
+                self.pass_started = time.monotonic()
         finally:
+            heartbeat.stop()
             self.sender.close()
 
     def _drain(self, timeout: float) -> int | None:

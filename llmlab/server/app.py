@@ -39,7 +39,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 import llmlab
-from llmlab.distributed.data_parallel import DataParallelEngine, ReplicaFailedError
+from llmlab.distributed.data_parallel import (
+    DataParallelEngine,
+    ReplicaFailedError,
+    ReplicasDeadError,
+)
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
@@ -300,7 +304,7 @@ async def _run(coro):
         raise APIError(str(err), status=503, type="server_error") from err
     except RequestFailedError as err:
         raise APIError(str(err)) from err
-    except (EngineError, EngineDeadError) as err:
+    except (EngineError, EngineDeadError, ReplicasDeadError) as err:  # none can serve
         raise APIError(str(err), status=503, type="server_error") from err
 
 
@@ -362,7 +366,8 @@ async def tokenizer_info(serving: Serving):
 
 @router.get("/health", response_class=Response,
             responses={200: {"description": "Healthy (empty body), or degraded: some "
-                             "data-parallel replicas are dead (a JSON body says which)"},
+                             "data-parallel replicas are dead or unresponsive (a JSON "
+                             "body says which)"},
                        **_PLAIN_ERRORS})
 async def health(request: Request):
     try:

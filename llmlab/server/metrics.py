@@ -322,7 +322,9 @@ class DataParallelMetrics:
             ok = status.status == "ok"
             alive += ok
             self._replica_alive.labels(self.model_name, str(status.index)).set(int(ok))
-            if not ok and status.index not in self._dead:
+            if ok:  # an unresponsive replica that answers again counts again
+                self._dead.discard(status.index)
+            elif status.index not in self._dead:
                 self._dead.add(status.index)
                 series = self.replicas[status.index]
                 series.num_requests_running.set(0)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import orjson
 
-from llmlab.distributed.data_parallel import ReplicaFailedError
+from llmlab.distributed.data_parallel import ReplicaFailedError, ReplicasDeadError
 from llmlab.engine.async_engine import EngineDeadError, EngineError, RequestStream
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError
@@ -341,7 +341,7 @@ def _sse_error(err: Exception) -> bytes:
         api = APIError(str(err), status=503, type="server_error")
     elif isinstance(err, RequestFailedError):
         api = APIError(str(err), status=400)
-    elif isinstance(err, (EngineError, EngineDeadError)):
+    elif isinstance(err, (EngineError, EngineDeadError, ReplicasDeadError)):
         api = APIError(str(err), status=503, type="server_error")
     else:
         logger.exception("a streamed response failed")

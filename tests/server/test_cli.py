@@ -183,3 +183,17 @@ def test_a_bad_speculative_config_is_one_error_line_and_exit_2(capsys, command, 
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_replica_deadline_flags_reach_the_engine_settings():
+    """--replica-heartbeat-timeout-s / --replica-wedged-after-s (issue 39, item 7) become
+    build_engine keywords; left out, the defaults apply (no keyword at all)."""
+    from llmlab.cli import _engine_settings, build_parser
+
+    args = build_parser().parse_args(["serve", "--replica-heartbeat-timeout-s", "2.5",
+                                      "--replica-wedged-after-s", "30"])
+    settings = _engine_settings(args)
+    assert settings["replica_heartbeat_timeout_s"] == 2.5
+    assert settings["replica_wedged_after_s"] == 30
+    plain = _engine_settings(build_parser().parse_args(["serve"]))
+    assert "replica_heartbeat_timeout_s" not in plain and "replica_wedged_after_s" not in plain
