@@ -953,6 +953,8 @@ class DataParallelEngine:
             for replica in self.replicas:  # under the lock: no command is half sent
                 replica.handle.request_stop()
         self._monitor.stop()
+        if self.grammars is not None:  # the front end's own compiles
+            self.grammars.close()
         self._finalizer()
         _LIVE_ENGINES.discard(self)
 

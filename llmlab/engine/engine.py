@@ -224,8 +224,11 @@ class Engine:
         return str(getattr(self.executor, "dead", None) or "the engine is alive")
 
     def shutdown(self) -> None:
-        """Stop what the executor started (tensor-parallel worker processes or actors);
-        safe to call twice. An engine of one process has nothing to stop."""
+        """Stop what the executor started (tensor-parallel worker processes or actors) and
+        the grammar compiles (their processes, and callers waiting for them); safe to call
+        twice."""
+        if self.grammars is not None:
+            self.grammars.close()
         close = getattr(self.executor, "shutdown", None)
         if callable(close):
             close()

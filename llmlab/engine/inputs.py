@@ -169,7 +169,8 @@ class InputProcessor:
             )
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.grammars.compile(params.structured_outputs)
+            # Compiles queue fairly per client (the request's user; None: one shared one).
+            grammar = self.grammars.compile(params.structured_outputs, client=user)
         return PreparedRequest(
             request_id=request_id,
             prompt=text,

@@ -15,10 +15,10 @@ and resumed on another row, nor on which process runs it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -120,16 +120,37 @@ class GrammarFactory:
     """Builds structured-output matchers for rows; the compiler is created at first use
     (xgrammar is optional) and shared by every thread that asks.
 
+    :meth:`compile` looks in the backend's cache on the caller's thread first: a cache hit
+    never waits for anything. A miss is compiled in a process of its own, which is killed
+    when the caller gives up (:mod:`llmlab.sampling.compile_pool`), queued fairly across
+    clients. :meth:`close` kills every compile at once (call it when the engine shuts
+    down; a factory that is garbage-collected closes too).
+
     Attributes:
-        compile_timeout_s: the longest :meth:`compile` waits. Compiles run on
-            ``compile_workers`` threads of their own (default: a quarter of the usable
-            cores, at least one; one xgrammar thread each), so a schema that compiles for
-            minutes holds neither the caller nor more than those cores; one that times
-            out is refused (its compile finishes in the background and is cached).
+        compile_timeout_s: the longest :meth:`compile` waits for a miss, queueing included
+            (the compile process's one-time start, at the first miss, is not counted).
+            A compile that runs out of time is refused and its process killed.
+        compile_workers: compiles that run at once, each a process of one xgrammar thread
+            (default: a quarter of the usable cores, at least one).
+        max_pending_compiles_per_client: compiles one client (``compile``'s ``client``)
+            may have queued or running; one more is refused at once. A request for a
+            grammar already compiling joins that compile and does not count. Callers
+            that name no client share one, so for them this bounds the whole server.
+        max_choices: the most ``structured_outputs.choice`` options (None: no limit).
+            OpenAI's structured outputs allow 1000 enum values per schema; a choice list
+            compiles in time that grows faster than its length (10,000 options of a few
+            words take seconds; 300,000 take minutes).
+        max_constraint_chars: the longest constraint, in characters: the JSON schema
+            (compact), the regex, the grammar or the choices together (None: no limit).
+        max_grammar_bytes: the largest compiled grammar (xgrammar's ``memory_size_bytes``);
+            a larger one is refused (None: no limit).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
-                 compile_timeout_s: float = 10.0, compile_workers: int | None = None) -> None:
+                 compile_timeout_s: float = 10.0, compile_workers: int | None = None, *,
+                 max_pending_compiles_per_client: int = 16, max_choices: int | None = 1000,
+                 max_constraint_chars: int | None = 1_000_000,
+                 max_grammar_bytes: int | None = 64 << 20) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -139,10 +160,24 @@ class GrammarFactory:
             # thread: a schema that compiles for long leaves the rest to the engine.
             compile_workers = max(1, int(available_cpus()) // 4)
         self.compile_workers = compile_workers
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=compile_workers, thread_name_prefix="llmlab-grammar"
-        )
+        for name, value, optional in (
+            ("compile_workers", compile_workers, False),
+            ("max_pending_compiles_per_client", max_pending_compiles_per_client, False),
+            ("max_choices", max_choices, True),
+            ("max_constraint_chars", max_constraint_chars, True),
+            ("max_grammar_bytes", max_grammar_bytes, True),
+        ):
+            if not (value is None and optional) and not (isinstance(value, int) and value >= 1):
+                raise ValueError(
+                    f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}"
+                )
+        self.max_pending_compiles_per_client = max_pending_compiles_per_client
+        self.max_choices = max_choices
+        self.max_constraint_chars = max_constraint_chars
+        self.max_grammar_bytes = max_grammar_bytes
         self._backend = None
+        self._pool = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -160,26 +195,101 @@ class GrammarFactory:
                 )
             return self._backend
 
-    def compile(self, spec: Any):
-        """The compiled grammar of a ``StructuredOutputsParams`` (cached by the backend);
-        ``ValueError`` when it takes longer than ``compile_timeout_s``."""
+    @property
+    def compile_pool(self):
+        """The :class:`~llmlab.sampling.compile_pool.CompilePool` misses compile in
+        (created at the first miss)."""
         backend = self.backend
-        future = self._pool.submit(backend.compile, spec)
+        with self._lock:
+            if self._closed:
+                raise ValueError(
+                    "structured_outputs cannot be compiled: the engine is shutting down"
+                )
+            if self._pool is None:
+                from llmlab.sampling.compile_pool import CompilePool
+
+                self._pool = CompilePool(
+                    backend.tokenizer_info_json(), self.vocab_size,
+                    workers=self.compile_workers,
+                    max_pending_per_client=self.max_pending_compiles_per_client,
+                    max_grammar_bytes=self.max_grammar_bytes,
+                )
+                # An engine dropped without close() leaves no compile process behind.
+                weakref.finalize(self, self._pool.close)
+            return self._pool
+
+    def compile(self, spec: Any, client: Hashable = None):
+        """The compiled grammar of a ``StructuredOutputsParams`` (or a mapping of its
+        fields): from the cache at once, else compiled in a process of its own, queued
+        behind at most one compile per worker of each other client.
+
+        ``client`` is whose request this is (the request's ``user``, say): compiles are
+        served round-robin across clients. ``None`` is one client shared by every caller
+        that names none.
+
+        Raises:
+            ValueError: the constraint is invalid or over a limit (naming the field, the
+                value and what is allowed); it took longer than ``compile_timeout_s``;
+                ``client`` has ``max_pending_compiles_per_client`` compiles pending; or
+                the factory was closed.
+        """
+        backend = self.backend
+        key = backend.cache_key(spec)
+        self._check_size(key)
+        hit = backend.lookup(key)
+        if hit is not None:
+            return hit
+        from llmlab.sampling.compile_pool import CompilePoolClosed, CompileTimeout
+
         try:
-            return future.result(timeout=self.compile_timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # still queued behind other compiles: never run it
+            serialized = self.compile_pool.compile(key, client, timeout_s=self.compile_timeout_s)
+        except CompileTimeout as err:
             raise ValueError(
-                f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile;"
-                " simplify the schema (deeply nested schemas compile slowly)"
+                f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile "
+                f"({err}); simplify the schema (deeply nested schemas compile slowly)"
             ) from None
+        except CompilePoolClosed:
+            raise ValueError(
+                "structured_outputs cannot be compiled: the engine is shutting down"
+            ) from None
+        return backend.store_serialized(key, serialized)
+
+    def _check_size(self, key: tuple) -> None:
+        """The up-front limits on a constraint (its cache key), before any compile."""
+        kind, spec = key[0], key[1] if len(key) > 1 else ""
+        if kind == "choice":
+            if self.max_choices is not None and len(spec) > self.max_choices:
+                raise ValueError(
+                    f"structured_outputs.choice has {len(spec)} options, more than the "
+                    f"{self.max_choices} allowed"
+                )
+            chars = sum(map(len, spec))
+        else:
+            chars = len(spec)
+        if self.max_constraint_chars is not None and chars > self.max_constraint_chars:
+            raise ValueError(
+                f"structured_outputs.{kind} is {chars} characters long, more than the "
+                f"{self.max_constraint_chars} allowed"
+            )
 
     def new_state(self, spec: Any, accepted: Iterable[int] = ()):
-        """A matcher for ``spec`` that has accepted ``accepted`` (a resumed row's output)."""
+        """A matcher for ``spec`` that has accepted ``accepted`` (a resumed row's output).
+        The grammar is normally cached (the request compiled it when it arrived); one
+        dropped from the cache since compiles again as :meth:`compile` does."""
         backend = self.backend
-        state = backend.new_state(backend.compile(spec))
+        state = backend.new_state(self.compile(spec))
         state.accept_many(accepted)
         return state
+
+    def close(self) -> None:
+        """Kill every running and queued compile (their callers get a ``ValueError``) and
+        the compile process; later misses are refused. Returns at once; safe to call
+        twice."""
+        with self._lock:
+            self._closed = True
+            pool = self._pool
+        if pool is not None:
+            pool.close()
 
 
 @attrs.define(eq=False)

@@ -32,25 +32,33 @@ token advances the document. ``whitespace_pattern`` is therefore ignored.
 Threading: :meth:`StructuredOutputBackend.compile` may be called from any thread (the cache
 is locked; xgrammar's compiler is thread-safe and releases the GIL for most of a compile). A
 :class:`GrammarState` is not thread-safe: one thread (the engine's step loop) drives it.
+
+An engine does not compile here: its :class:`~llmlab.sampling.metadata.GrammarFactory`
+looks in this cache (:meth:`StructuredOutputBackend.lookup`) and compiles a miss in a
+process it can kill (:mod:`llmlab.sampling.compile_pool`), handing the result back with
+:meth:`StructuredOutputBackend.store_serialized`. The compile itself (one function for both
+paths) is :func:`llmlab.sampling.compile_worker.compile_constraint`.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import logging
-import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import attrs
 import torch
 
+from llmlab.sampling.compile_worker import (
+    compile_constraint,
+    import_xgrammar as _import_xgrammar,
+    xgr_message as _xgr_message,
+)
 from llmlab.sampling.grammar import GrammarState, apply_grammar_masks
 from llmlab.sampling.params import StructuredOutputsParams
 
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "CacheInfo",
@@ -59,36 +67,6 @@ __all__ = [
     "StructuredOutputBackend",
     "apply_grammar_masks",
 ]
-
-
-# The character classes xgrammar (<= 0.2.8) writes for the characters of a JSON string,
-# and what they should be. A string with minLength/maxLength gets [^"\\\r\n], which lets
-# raw control characters (U+0000-U+001F) in: not JSON (json.loads rejects them). And a
-# negated class matches the UTF-8 encoding of a surrogate (bytes ED A0-BF xx), which is not
-# UTF-8: it decodes to three U+FFFD, so the text breaks maxLength and is not what the
-# grammar matched. (Regex "." and [^...] in user regexes and grammars keep that hole.)
-_JSON_STRING_CLASSES = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
-_JSON_STRING_CHARS = r"[^\0-\x1f\"\\\ud800-\udfff]"
-
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes
-# "Check failed: (cond) is false: ".
-_XGR_ERROR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
-
-
-def _import_xgrammar():
-    try:
-        import xgrammar
-    except ImportError as err:
-        raise ImportError(
-            "structured outputs (structured_outputs / guided_decoding) need the xgrammar "
-            "package: pip install xgrammar"
-        ) from err
-    return xgrammar
-
-
-def _xgr_message(err: BaseException) -> str:
-    text = str(err).strip()
-    return _XGR_ERROR_PREFIX.sub("", text).strip() or type(err).__name__
 
 
 def _special_token_ids(tokenizer: Any) -> set[int]:
@@ -219,13 +197,26 @@ class StructuredOutputBackend:
     # ------------------------------------------------------------------ compilation
 
     def compile(self, params: StructuredOutputsParams | Mapping) -> CompiledGrammar:
-        """The compiled grammar for ``params`` (cached; thread-safe).
+        """The compiled grammar for ``params`` (cached; thread-safe), compiled in this
+        process on a miss (an engine compiles misses in a process it can kill instead:
+        ``GrammarFactory``).
 
         Raises:
             ValueError: naming the field (``structured_outputs.json`` / ``.regex`` /
                 ``.choice`` / ``.grammar``) and why: an invalid or unsupported JSON schema,
                 regex or grammar, or one that matches no text.
         """
+        key = self.cache_key(params)
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        # Compiled outside the lock: a large schema takes a while, and other requests'
+        # compilations (and cache hits) need not wait for it.
+        return self._store(key, compile_constraint(self._compiler, key, self.vocab_size))
+
+    def cache_key(self, params: StructuredOutputsParams | Mapping) -> tuple:
+        """The cache key of ``params``: its kind and a canonical form of the constraint
+        (for a JSON schema, one ``json.loads`` and one ``json.dumps``; the others as given)."""
         if isinstance(params, Mapping):
             params = StructuredOutputsParams(**params)
         if not isinstance(params, StructuredOutputsParams):
@@ -233,16 +224,42 @@ class StructuredOutputBackend:
                 "expected StructuredOutputsParams (or GuidedDecodingParams), got "
                 f"{type(params).__name__} {params!r}"
             )
-        key = _cache_key(params)
+        return _cache_key(params)
+
+    def lookup(self, key: tuple | StructuredOutputsParams | Mapping) -> CompiledGrammar | None:
+        """The cached grammar of ``key`` (from :meth:`cache_key`, or the parameters
+        themselves), or None; never compiles and never waits for a compile."""
+        if not isinstance(key, tuple):
+            key = self.cache_key(key)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self._hits += 1
-                return hit
-        # Compiled outside the lock: a large schema takes a while, and other requests'
-        # compilations (and cache hits) need not wait for it.
-        compiled = CompiledGrammar(key, self._compile(key), owner=self)
+            return hit
+
+    def store_serialized(self, key: tuple, serialized: str) -> CompiledGrammar:
+        """Cache and return the grammar of ``key`` compiled elsewhere (``serialized``: its
+        ``CompiledGrammar.serialize_json()`` against this backend's tokenizer info); a
+        grammar cached for ``key`` meanwhile wins."""
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        try:
+            compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+        except (RuntimeError, ValueError) as err:  # pragma: no cover - same xgrammar both ends
+            raise ValueError(
+                f"structured_outputs.{key[0]} could not be loaded after compiling: "
+                f"{_xgr_message(err)}"
+            ) from None
+        return self._store(key, compiled)
+
+    def tokenizer_info_json(self) -> str:
+        """This backend's tokenizer info, serialized (what a compile process starts from)."""
+        return self.tokenizer_info.serialize_json()
+
+    def _store(self, key: tuple, xgr_grammar: Any) -> CompiledGrammar:
+        compiled = CompiledGrammar(key, xgr_grammar, owner=self)
         with self._lock:
             self._misses += 1
             compiled = self._cache.setdefault(key, compiled)
@@ -254,60 +271,6 @@ class StructuredOutputBackend:
     def cache_info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self._hits, self._misses, self.max_cache_entries, len(self._cache))
-
-    def _compile(self, key: tuple) -> Any:
-        kind, spec = key[0], key[1] if len(key) > 1 else None
-        field = f"structured_outputs.{kind}"
-        if kind == "choice":
-            spec = _choice_grammar(spec)  # a ValueError naming the entry
-        try:
-            if kind == "json":
-                compiled = self._compile_json(spec, strict=True)
-            elif kind == "json_object":
-                # Any object: not xgrammar's builtin JSON grammar, which also admits a
-                # top-level array and free whitespace. strict_mode=False: properties of
-                # any name and value.
-                compiled = self._compile_json('{"type": "object"}', strict=False)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec)
-            elif kind == "choice" or kind == "grammar":
-                compiled = self._compiler.compile_grammar(spec)
-            else:  # pragma: no cover - _cache_key knows every kind
-                raise AssertionError(kind)
-        except (RuntimeError, ValueError, TypeError) as err:
-            what = {
-                "json": "is not a usable JSON schema",
-                "regex": "is not a supported regular expression",
-                "choice": "could not be compiled",
-                "grammar": "is not a valid EBNF grammar",
-                "json_object": "could not be compiled",
-            }[kind]
-            raise ValueError(f"{field} {what}: {_xgr_message(err)}") from None
-        if not self._matches_something(compiled):
-            raise ValueError(f"{field} matches no text: no token can start the output")
-        return compiled
-
-    def _compile_json(self, schema: str, *, strict: bool) -> Any:
-        xgr = self._xgr
-        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        text = fixed = str(grammar)
-        for wrong in _JSON_STRING_CLASSES:
-            fixed = fixed.replace(wrong, _JSON_STRING_CHARS)
-        if fixed != text:
-            try:
-                return self._compiler.compile_grammar(fixed)
-            except RuntimeError as err:  # the printed grammar did not parse back
-                logger.warning(
-                    "JSON string fix for xgrammar not applied (%s); strings may admit raw "
-                    "control characters", _xgr_message(err),
-                )
-        return self._compiler.compile_grammar(grammar)
-
-    def _matches_something(self, compiled: Any) -> bool:
-        matcher = self._xgr.GrammarMatcher(compiled)
-        bitmask = torch.empty((1, self.bitmask_width), dtype=torch.int32)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        return bool(self._rows_nonempty(bitmask)[0])
 
     def _rows_nonempty(self, bitmask: torch.Tensor) -> torch.Tensor:
         """Per row of a filled CPU bitmask: does it allow any token below vocab_size?"""
@@ -351,43 +314,3 @@ def _cache_key(params: StructuredOutputsParams) -> tuple:
     if kind == "choice":
         return ("choice", tuple(params.choice))
     return (kind, getattr(params, kind))  # regex, grammar
-
-
-def _choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar matching exactly one of ``choices``."""
-    literals = []
-    for i, choice in enumerate(dict.fromkeys(choices)):
-        try:
-            literals.append(_ebnf_literal(choice))
-        except ValueError as err:
-            raise ValueError(f"structured_outputs.choice[{i}] {err}") from None
-    return "root ::= " + " | ".join(literals)
-
-
-_EBNF_SIMPLE_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _ebnf_literal(text: str) -> str:
-    """``text`` as an xgrammar EBNF string literal.
-
-    Printable ASCII stays as is; everything else is written ``\\uXXXX`` / ``\\UXXXXXXXX``
-    (fixed width: xgrammar reads ``\\x`` escapes greedily, so ``"\\x41b"`` would be U+041B).
-    """
-    out = ['"']
-    for ch in text:
-        code = ord(ch)
-        if ch in _EBNF_SIMPLE_ESCAPES:
-            out.append(_EBNF_SIMPLE_ESCAPES[ch])
-        elif 0x20 <= code < 0x7F:
-            out.append(ch)
-        elif code == 0:
-            # xgrammar's EBNF parser reads \0, \x00 and \u0000 as "nothing".
-            raise ValueError("contains a NUL character, which the grammar engine cannot match")
-        elif 0xD800 <= code <= 0xDFFF:
-            raise ValueError(f"contains a lone surrogate U+{code:04X}, which is not text")
-        elif code <= 0xFFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    out.append('"')
-    return "".join(out)

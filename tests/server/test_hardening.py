@@ -174,26 +174,27 @@ def test_small_leaks_are_closed(served, tiny_llama):
         assert r.headers.get("access-control-allow-credentials") != "true"
 
 
-def test_a_grammar_that_compiles_too_long_is_refused_in_time(tiny_llama, monkeypatch):
+def test_a_grammar_that_compiles_too_long_is_refused_in_time(tiny_llama):
     pytest.importorskip("xgrammar")
     from llmlab import StructuredOutputsParams
 
     engine = LLM(tiny_llama, dtype="float32").llm_engine
     grammars = engine.inputs.grammars
+    # No up-front limits: the deadline alone must hold (a 300,000-option choice compiles
+    # for many seconds).
+    grammars.max_choices = grammars.max_constraint_chars = None
+    grammars.compile(StructuredOutputsParams(regex="(ab)+"))  # the compile process is up
     grammars.compile_timeout_s = 0.3
-    backend = grammars.backend
-    slow_compile = backend.compile
-
-    def slow(spec):  # stands in for a deeply nested schema (seconds of xgrammar)
-        time.sleep(1.5)
-        return slow_compile(spec)
-
-    monkeypatch.setattr(backend, "compile", slow)
+    slow = StructuredOutputsParams(choice=[f"option number {i}" for i in range(300_000)])
     start = time.monotonic()
     with pytest.raises(ValueError, match="took longer than 0.3 s to compile"):
-        engine.add_request("a", "hi", SamplingParams(
-            structured_outputs=StructuredOutputsParams(regex="(ab)+")))
+        engine.add_request("a", "hi", SamplingParams(structured_outputs=slow))
     assert time.monotonic() - start < 1.2 and not engine.has_unfinished_requests()
+    deadline = time.monotonic() + 10
+    while grammars.compile_pool.running_pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not grammars.compile_pool.running_pids()  # abandoned, and its process killed
+    engine.shutdown()
 
 
 def test_limits_refuse_oversized_requests_and_a_full_server_answers_429(tiny_llama):
@@ -302,7 +303,7 @@ def test_health_is_truthful_about_a_wedged_or_saturated_server(tiny_llama):
 
 
 @pytest.mark.slow
-def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama, monkeypatch):
+def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama):
     """Six template bombs and six slow grammar compiles in flight, as the server runs by
     default: a normal request still completes within 2 s of its idle latency, and /health
     stays 200. Templates are refused at once; compiles wait on threads of their own
@@ -317,15 +318,7 @@ def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama, m
     app = build_app(engine, served_model_names=["tiny"])
     grammars = engine.engine.inputs.grammars
     grammars.compile_timeout_s = 1.0
-    backend = grammars.backend
-    compile_now = backend.compile
-
-    def slow_compile(spec):  # xgrammar releases the GIL while it compiles: so does sleep
-        if spec.regex == "(slow)+":
-            time.sleep(3)
-        return compile_now(spec)
-
-    monkeypatch.setattr(backend, "compile", slow_compile)
+    grammars.max_choices = grammars.max_constraint_chars = None  # the deadline must hold
     template_bomb = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                      "{% endfor %}")
     normal = {"model": "tiny", "prompt": "a normal request", "max_tokens": 8}
@@ -343,7 +336,8 @@ def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama, m
             {"messages": MSG, "chat_template": template_bomb, "max_tokens": 2}, CHAT))
             for _ in range(6)]
         bombs += [threading.Thread(target=bomb, args=(
-            {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(slow)+"}},
+            {"prompt": "x", "max_tokens": 2,
+             "structured_outputs": {"choice": [f"o{i}" for i in range(300_000)]}},
             COMP)) for _ in range(6)]
         for thread in bombs:
             thread.start()
