@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 # Below this, logits / temperature overflows to inf and softmax gives NaN (vLLM's _MAX_TEMP
 # guard): such a temperature is raised to this one, which is already all but greedy.
 MIN_TEMPERATURE = 1e-2
+# Above this, the per-row float32 columns would hold inf (and masked logits / inf = NaN):
+# such a temperature is lowered to this one, which already samples all but uniformly.
+MAX_TEMPERATURE = 1e6
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -65,6 +68,10 @@ def _temperature(value: object) -> float:
             t, MIN_TEMPERATURE, MIN_TEMPERATURE,
         )
         return MIN_TEMPERATURE
+    if t > MAX_TEMPERATURE:
+        logger.warning("temperature=%r is above %r; using %r", t, MAX_TEMPERATURE,
+                       MAX_TEMPERATURE)
+        return MAX_TEMPERATURE
     return t
 
 

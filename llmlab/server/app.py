@@ -524,6 +524,11 @@ class _FullServerMiddleware:
                 and _route_path(scope).rstrip("/") in _WORK_PATHS:
             full = self.admission.full_reason()
             if full is not None:
+                # Read the body (unparsed, bounded by the body limit outside) so that the
+                # client, still sending, reads the 429 rather than a reset connection.
+                message = {"more_body": True}
+                while message.get("more_body") and message.get("type") != "http.disconnect":
+                    message = await receive()
                 await _error_response(busy(full))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -315,3 +315,12 @@ def test_clone_copies_stateful_processors_and_from_optional_skips_nones():
     assert p.logits_processors[0].calls == 0
     r = SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None, n=None)
     assert (r.temperature, r.top_p, r.max_tokens, r.n) == (1.0, 0.5, None, 1)
+
+
+def test_a_huge_temperature_is_lowered_to_one_the_float32_columns_hold():
+    """1e308 is finite in Python but inf in the executor's float32 columns (and masked
+    logits / inf are NaN): it is lowered, as a tiny one is raised."""
+    from llmlab.sampling.params import MAX_TEMPERATURE
+
+    assert SamplingParams(temperature=1e308).temperature == MAX_TEMPERATURE
+    assert SamplingParams(temperature=2.0).temperature == 2.0

@@ -326,3 +326,42 @@ def test_a_flooded_busy_server_answers_429_at_once():
     latencies = sorted(p[1] for p in probes)
     assert latencies[len(latencies) // 2] < 0.1, latencies
     assert health[0] == 503 and b"capacity" in health[3]
+
+
+def test_a_full_server_refuses_before_parsing_yet_the_client_reads_its_429(tiny_llama):
+    """While no request fits, the work routes answer 429 without parsing the body (a
+    flood costs almost nothing), but they read it first: a client still sending a large
+    body gets the 429, not a reset connection."""
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"], max_queued_sequences=1)
+    parsed = []
+    real = type(app.state.serving).completions
+
+    async def counting(self, request, disconnected=None):
+        parsed.append(request)
+        return await real(self, request, disconnected)
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            held = asyncio.create_task(client.post(COMP, json={"prompt": "hi", "max_tokens": 4}))
+            while app.state.serving.admission.held.sequences < 1:
+                await asyncio.sleep(0.005)
+            big = await client.post(COMP, json={"prompt": "word " * 400_000, "max_tokens": 2})
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            gate.set()
+            return big, chat, await held
+
+    with running(app) as url, paused_engine(app) as gate:
+        type(app.state.serving).completions = counting
+        try:
+            big, chat, held = asyncio.run(main(url))
+        finally:
+            type(app.state.serving).completions = real
+    assert big.status_code == 429 and big.headers["retry-after"] == "1", big.text
+    assert chat.status_code == 429 and "1 sequences in flight" in chat.text
+    assert held.status_code == 200
+    assert len(parsed) == 1  # only the request that was admitted reached the route
