@@ -512,9 +512,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences in flight (prompts x max(n, best_of), queued or "
                             "running) before new requests get a 429 with Retry-After "
                             "(default 4096)")
-    serve.add_argument("--max-queued-tokens", type=int, default=4 * 2**20,
-                       help="tokens in flight (prompt + max_tokens per sequence) before new "
-                            "requests get a 429 with Retry-After (default 4194304)")
+    serve.add_argument("--max-queued-tokens", type=int, default=None,
+                       help="tokens in flight (prompt + max_tokens per sequence; without "
+                            "max_tokens, the whole context) before new requests get a 429 "
+                            "with Retry-After (default: max-queued-sequences x "
+                            "max-model-len / 8, at least 4194304)")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
                        help='CORS origins: a list, or a JSON list such as \'["*"]\'')
     serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",

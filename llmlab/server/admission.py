@@ -122,6 +122,13 @@ class Admission:
             self._held = self._held - weight
 
 
+def default_max_tokens(max_sequences: int, max_model_len: int) -> int:
+    """The token bound when none is given: an eighth of the sequence bound at full context
+    (a request without ``max_tokens`` weighs its whole context), and at least 4 Mi tokens,
+    so with short contexts the sequence bound is the one that binds."""
+    return max(4 * 2**20, max_sequences * max_model_len // 8)
+
+
 def busy(message: str) -> APIError:
     """The 429 every bound answers with."""
     return APIError(f"the server is at capacity: {message}; retry shortly", status=429,

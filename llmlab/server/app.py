@@ -47,7 +47,7 @@ from llmlab.distributed.data_parallel import (
 from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.server import protocol as p
-from llmlab.server.admission import RETRY_AFTER_S, Admission, busy
+from llmlab.server.admission import RETRY_AFTER_S, Admission, busy, default_max_tokens
 from llmlab.server.errors import APIError, ClientDisconnected, bad_request
 from llmlab.server.lora import router as lora_router
 from llmlab.server.lora import serve_lora_modules
@@ -85,7 +85,7 @@ def build_app(
     max_prompts_per_request: int = 256,
     max_sequences_per_request: int = 1024,
     max_queued_sequences: int = 4096,
-    max_queued_tokens: int = 4 * 2**20,
+    max_queued_tokens: int | None = None,
     return_tokens_as_token_ids: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
     response_role: str = "assistant",
@@ -106,8 +106,9 @@ def build_app(
     get a 413 before they are read. ``max_prompts_per_request``,
     ``max_sequences_per_request`` (prompts x n): see :class:`OpenAIServing`.
     ``max_queued_sequences`` and ``max_queued_tokens`` (prompt + ``max_tokens`` per
-    sequence): the work in flight, queued or running; a request that would pass either
-    gets a 429 with ``Retry-After`` at once (:mod:`llmlab.server.admission`).
+    sequence; None: :func:`~llmlab.server.admission.default_max_tokens`): the work in
+    flight, queued or running; a request that would pass either gets a 429 with
+    ``Retry-After`` at once (:mod:`llmlab.server.admission`).
     ``allowed_origins``: CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
     ``return_tokens_as_token_ids``: the default of the request field of that name (vLLM's
@@ -146,7 +147,9 @@ def build_app(
                             trust_request_chat_template=trust_request_chat_template,
                             max_prompts_per_request=max_prompts_per_request,
                             max_sequences_per_request=max_sequences_per_request,
-                            admission=Admission(max_queued_sequences, max_queued_tokens),
+                            admission=Admission(max_queued_sequences, default_max_tokens(
+                                max_queued_sequences, engine.engine.max_model_len)
+                                if max_queued_tokens is None else max_queued_tokens),
                             return_tokens_as_token_ids=return_tokens_as_token_ids,
                             response_role=response_role,
                             tool_parser=parser if enable_auto_tool_choice else None)

@@ -79,6 +79,18 @@ def test_settle_replaces_the_estimate_and_refuses_growth_past_a_bound():
     assert admission.held == Weight()
 
 
+def test_the_default_token_bound_scales_with_the_context():
+    """A request without max_tokens weighs its whole context: with long contexts the
+    default bound still admits an eighth of the sequence bound at full length."""
+    from llmlab.server.admission import default_max_tokens
+
+    assert default_max_tokens(4096, 512) == 4 * 2**20  # short contexts: the floor
+    assert default_max_tokens(4096, 131072) == 4096 * 131072 // 8
+    admission = Admission(4096, default_max_tokens(4096, 131072))
+    tickets = [admission.admit(Weight(1, 1, 131072)) for _ in range(512)]
+    assert len(tickets) == 512
+
+
 def test_check_and_add_are_one_step_under_concurrent_admits():
     """Threads admitting at once never hold more than the bound together (the old
     check-then-add overshot 4,096 to 4,348)."""
