@@ -292,12 +292,13 @@ def test_an_unexpected_error_is_a_500_with_a_request_id_on_a_connection_that_sta
             assert headers.get("connection") != "close"
 
 
-def test_a_flooded_busy_server_answers_429_at_once():
+def test_a_flooded_busy_server_answers_429_at_once(tmp_path):
     """5,000 connections open on a busy, full ``llmlab serve`` (a child process, as users
     run it): a request over the bound is answered 429 in well under 100 ms (median), the
     refusal never waits behind the engine loop or the flood's bodies."""
     from benchmarks.admission_flood import (busy_streams, flood, one_request, request_bytes,
                                             wait_full)
+    from llmlab.testing.tiny import build_tiny_model
     from tests.server.test_serve_cli import start_server
 
     import resource
@@ -306,16 +307,19 @@ def test_a_flooded_busy_server_answers_429_at_once():
     if hard < 12_000:
         pytest.skip(f"needs 12,000 open files (hard limit {hard})")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 12_000), hard))
-    # Two running at a time: the 32 take far longer than the flood (the bound stays full).
-    proc, url = start_server(["--max-queued-sequences", "32", "--max-num-seqs", "2",
-                              "--served-model-name", "flood"])
+    # A long context, two running at a time: the first of the 32 busy requests ends after
+    # 16,000 steps, long after the flood and the probes (the bound stays full throughout).
+    model = build_tiny_model(tmp_path / "long", "LlamaForCausalLM", seed=0,
+                             max_position_embeddings=16_384)
+    proc, url = start_server([str(model), "--max-queued-sequences", "32", "--max-num-seqs",
+                              "2", "--dtype", "float32", "--served-model-name", "flood"])
     host, port = url.removeprefix("http://").split(":")
     port = int(port)
     small = request_bytes(COMP, {"model": "flood", "prompt": "Once upon a time",
                                  "max_tokens": 4})
 
     async def main():
-        busy = await busy_streams(host, port, 32, 480, "flood")
+        busy = await busy_streams(host, port, 32, 16_000, "flood")
         await wait_full(host, port)
         kept: list = []
         answers = await flood(host, port, small, 5000, kept)
