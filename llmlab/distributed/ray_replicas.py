@@ -68,7 +68,7 @@ from typing import Any
 import attrs
 
 from llmlab.distributed.ray_workers import _connect, _death_reason, _import_ray
-from llmlab.distributed.replica_handle import CommandWriter
+from llmlab.distributed.replica_process import PipeWriter
 from llmlab.distributed.replica_process import ReplicaSpec, Shutdown, run_replica
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class RayReplicaHandle:
     pid: int | None = None
     _ray: Any = attrs.field(default=None, repr=False)
     _conn: Any = attrs.field(default=None, repr=False)
-    _writer: CommandWriter | None = attrs.field(default=None, repr=False)
+    _writer: PipeWriter | None = attrs.field(default=None, repr=False)
     _server: Any = attrs.field(default=None, repr=False)
     _authkey: bytes = attrs.field(default=b"", repr=False)
     _deadline: float = attrs.field(default=0.0, repr=False)
@@ -350,7 +350,7 @@ class RayReplicaHandle:
             conn = self.connection
             if conn is None:
                 raise OSError(f"replica {self.index} is not connected")
-            self._writer = CommandWriter(conn, f"llmlab-dp-commands-{self.index}")
+            self._writer = PipeWriter(conn, f"llmlab-dp-commands-{self.index}")
         self._writer.send(payload)
 
     def request_stop(self) -> None:

@@ -9,7 +9,7 @@ it ended with ``describe_exit()``). :func:`plan_devices` says which
 devices each replica gets; :func:`wait_ready` waits for replicas to build their engines and
 :func:`stop_replicas` stops them.
 
-Commands go out through a :class:`CommandWriter`, a thread per replica: a replica that
+Commands go out through a :class:`PipeWriter`, a thread per replica: a replica that
 stops reading (SIGSTOP, a wedged loop) fills its pipe, and a plain write would then block
 the front end, every other replica's requests with it. Reports come in through a
 :class:`MessageReader`, which never waits for the rest of a message: a replica stopped
@@ -22,10 +22,8 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
-import queue
 import signal
 import struct
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -33,6 +31,7 @@ from typing import Any, Protocol
 import attrs
 
 from llmlab.distributed.replica_process import (
+    PipeWriter,
     ReplicaInfo,
     ReplicaReady,
     ReplicaSpec,
@@ -66,7 +65,7 @@ class ReplicaHandle(Protocol):
 
     def send_bytes(self, payload: bytes) -> None:
         """Send a pickled command without waiting for the replica to read it (a
-        :class:`CommandWriter`); raises ``OSError`` (or ``EOFError``) if it is known to be
+        :class:`PipeWriter`); raises ``OSError`` (or ``EOFError``) if it is known to be
         gone."""
         ...
 
@@ -79,44 +78,6 @@ class ReplicaHandle(Protocol):
     def stop(self, timeout: float) -> None:
         """Ask it to exit, then terminate and kill it after ``timeout``; idempotent."""
         ...
-
-
-class CommandWriter:
-    """Writes a replica's commands, in order, from a thread of its own: ``send`` never
-    waits for the replica to read (a stopped replica's full pipe blocks only this thread;
-    it reads them all, in order, once it runs again).
-
-    After a write fails (the replica is gone) the rest are dropped and ``send`` raises
-    ``OSError``; the front end learns of the death from the connection or the sentinel.
-    """
-
-    def __init__(self, connection: Any, name: str) -> None:
-        self._connection = connection
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def send(self, payload: bytes) -> None:
-        if self.error is not None:
-            raise OSError(f"the connection is gone ({type(self.error).__name__}: {self.error})")
-        self._queue.put(payload)
-
-    def close(self, timeout: float) -> None:
-        """Stop after the commands queued so far (waiting up to ``timeout`` for them)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            payload = self._queue.get()
-            if payload is None:
-                return
-            try:
-                self._connection.send_bytes(payload)
-            except Exception as err:  # noqa: BLE001 - gone (or closed under us): stop writing
-                self.error = err
-                return
 
 
 class MessageReader:
@@ -170,7 +131,7 @@ class ProcessReplicaHandle:
     spec: ReplicaSpec
     connection: Any = None
     _process: Any = None
-    _writer: CommandWriter | None = None
+    _writer: PipeWriter | None = None
     _stop_requested: bool = False
     _stopped: bool = False
 
@@ -202,7 +163,7 @@ class ProcessReplicaHandle:
         process.start()
         theirs.close()  # only the child holds its end: its death is an EOF here
         self.connection, self._process = ours, process
-        self._writer = CommandWriter(ours, f"llmlab-dp-commands-{self.spec.index}")
+        self._writer = PipeWriter(ours, f"llmlab-dp-commands-{self.spec.index}")
 
     def send_bytes(self, payload: bytes) -> None:
         if self._writer is None:

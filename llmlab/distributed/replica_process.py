@@ -248,23 +248,31 @@ def cached_block_hashes(engine: Any, event: Any) -> tuple[tuple[int, int], ...]:
     return tuple((block_id, index.hash_of(block_id)) for block_id in event.blocks_cached)
 
 
-class _Sender:
-    """Sends pickled reports from a thread of its own, so a front end that is slow to
-    read (or itself blocked sending commands) never stops this replica from reading its
-    commands: neither side can wait on the other forever. Messages are pickled by the
-    caller, in the loop thread, while the objects in them cannot change."""
+class PipeWriter:
+    """Writes byte messages to a connection, in order, from a thread of its own: ``send``
+    never waits for the other side to read. Both directions use one: a replica's reports
+    (a front end slow to read, or itself blocked sending commands, never stops the replica
+    from reading its commands) and the front end's commands (a stopped replica's full pipe
+    blocks only this thread; it reads them all, in order, once it runs again).
 
-    def __init__(self, conn) -> None:
-        self._conn = conn
+    After a write fails (the other side is gone) the rest are dropped, ``error`` holds why,
+    and ``send`` raises ``OSError``; the reader learns of it from EOF.
+    """
+
+    def __init__(self, connection: Any, name: str) -> None:
+        self._connection = connection
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.failed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmlab-dp-sender", daemon=True)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def send(self, message: Any) -> None:
-        self._queue.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, payload: bytes) -> None:
+        if self.error is not None:
+            raise OSError(f"the connection is gone ({type(self.error).__name__}: {self.error})")
+        self._queue.put(payload)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop after the messages queued so far (waiting up to ``timeout`` for them)."""
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -274,10 +282,17 @@ class _Sender:
             if payload is None:
                 return
             try:
-                self._conn.send_bytes(payload)
-            except (OSError, ValueError):
-                self.failed.set()  # the front end is gone; the loop sees EOF and exits
+                self._connection.send_bytes(payload)
+            except Exception as err:  # noqa: BLE001 - gone (or closed under us): stop writing
+                self.error = err
                 return
+
+
+def _report(writer: PipeWriter, message: Any) -> None:
+    """Send a message to the front end; once it is gone, nothing (the loop sees EOF and
+    exits). Pickled here, in the loop thread, while the objects in it cannot change."""
+    if writer.error is None:
+        writer.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class _Heartbeat:
@@ -310,7 +325,7 @@ class _Heartbeat:
                 resumed = now  # this process did not run for a while: it is back now
             last = now
             stuck = now - max(loop.pass_started, resumed)
-            loop.sender.send(Heartbeat(round(max(stuck, 0.0), 3), loop.in_step))
+            _report(loop.sender, Heartbeat(round(max(stuck, 0.0), 3), loop.in_step))
 
 
 class _ReplicaLoop:
@@ -334,11 +349,11 @@ class _ReplicaLoop:
         self.events: list = []
         self.step_again = False
         engine.subscribe(self._observe)
-        self.sender = _Sender(conn)
+        self.sender = PipeWriter(conn, "llmlab-dp-sender")
 
     def run(self) -> None:
         kv = self.engine.kv_cache
-        self.sender.send(ReplicaReady(ReplicaInfo(
+        _report(self.sender, ReplicaReady(ReplicaInfo(
             pid=os.getpid(),
             config=self.engine.config,
             vocab_size=self.engine.vocab_size,
@@ -356,7 +371,7 @@ class _ReplicaLoop:
             while True:
                 busy = self.step_again or self.engine.has_unfinished_requests()
                 consumed = self._drain(0.0 if busy else PARENT_CHECK_S)
-                if consumed is None or self.sender.failed.is_set():
+                if consumed is None or self.sender.error is not None:
                     return  # shutdown, or the front end is gone
                 if busy or consumed or self.engine.has_unfinished_requests():
                     self.pass_started, self.in_step = time.monotonic(), True
@@ -442,7 +457,7 @@ class _ReplicaLoop:
                                 tuple(self.failures), tuple(self.refused))
             self.events, self.failures, self.refused = [], [], []
             self.commands_reported = self.commands_done
-            self.sender.send(report)
+            _report(self.sender, report)
 
     def _observe(self, event: Any) -> None:
         self.events.append((event, cached_block_hashes(self.engine, event)))

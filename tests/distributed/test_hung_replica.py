@@ -27,7 +27,8 @@ from llmlab.distributed.data_parallel import (
     resolve_router,
 )
 from llmlab.distributed.liveness import Liveness, heartbeat_interval
-from llmlab.distributed.replica_handle import CommandWriter, MessageReader
+from llmlab.distributed.replica_handle import MessageReader
+from llmlab.distributed.replica_process import PipeWriter
 from llmlab.distributed.replica_process import Heartbeat
 from tests.distributed.hang_helpers import Slow, WedgeIn
 from tests.distributed.test_data_parallel import SETTINGS, wait_gone
@@ -105,7 +106,7 @@ class Driver:
 def test_the_front_end_never_waits_on_a_replica_that_stopped_reading_or_writing():
     """No process needed: a pipe whose other end nobody reads, and a message cut short."""
     ours, theirs = multiprocessing.Pipe()
-    writer = CommandWriter(ours, "test-commands")
+    writer = PipeWriter(ours, "test-commands")
     started = time.monotonic()
     for _ in range(32):  # 8 MiB: far more than the pipe holds, and nobody reads it
         writer.send(b"x" * (1 << 18))
