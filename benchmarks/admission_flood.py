@@ -12,13 +12,16 @@ sockets (a connection each, so nothing here pools or queues requests):
    is its latency;
 3. **probe**: with all of them still open, ``--probes`` requests one after another, each
    on a fresh connection: the latency of a 429 while the server is flooded and busy;
-4. **work flood**: ``--n-requests`` requests with ``n=--n`` (as many sequences each), then
-   one small request: admitted as soon as the server has room for it, its time to finish.
+4. **work flood**: ``--n-requests`` requests with ``n=--n`` (as many sequences each,
+   ``--work-tokens`` tokens), then one small request, retried after each 429's
+   ``Retry-After`` as a client does: its time to finish. ``--work-only`` runs just this
+   phase; ``--scheduling-policy`` is passed to the server.
 
 Prints the latency percentiles of each phase and the status counts. Run:
 
     python -m benchmarks.admission_flood                    # 5,000 connections, bound 4096
     python -m benchmarks.admission_flood --bound 64 --connections 2000 --busy-tokens 400
+    python -m benchmarks.admission_flood --work-only --work-tokens 32 [--scheduling-policy sjf]
 """
 
 from __future__ import annotations
@@ -143,9 +146,28 @@ async def wait_full(host: str, port: int, timeout_s: float = 120.0) -> None:
 
 
 async def run(host: str, port: int, *, bound: int, connections: int, probes: int,
-              busy_tokens: int, n: int, n_requests: int, model: str) -> dict:
+              busy_tokens: int, n: int, n_requests: int, model: str, work_tokens: int = 8,
+              work_only: bool = False) -> dict:
     small = {"model": model, "prompt": "Once upon a time", "max_tokens": 4}
     results: dict = {}
+    if not work_only:
+        await _flood_phases(host, port, bound, connections, probes, busy_tokens, model, small,
+                            results)
+    # The work flood: requests of n sequences each, then a small one.
+    big = {**small, "n": n, "max_tokens": work_tokens, "ignore_eos": True, "temperature": 1.0}
+    payload = request_bytes("/v1/completions", big)
+    work = [asyncio.create_task(one_request(host, port, payload)) for _ in range(n_requests)]
+    await asyncio.sleep(1.0)
+    start = time.perf_counter()
+    newcomer = await _until_admitted(host, port, {**small, "max_tokens": 1})
+    results["newcomer_s"] = time.perf_counter() - start
+    results["newcomer"] = newcomer
+    results["work"] = await asyncio.gather(*work)
+    return results
+
+
+async def _flood_phases(host, port, bound, connections, probes, busy_tokens, model, small,
+                        results) -> None:
     busy = await busy_streams(host, port, bound, busy_tokens, model)
     await wait_full(host, port)
     kept: list = []
@@ -162,17 +184,6 @@ async def run(host: str, port: int, *, bound: int, connections: int, probes: int
     for task in busy:
         task.cancel()
     results["busy"] = await asyncio.gather(*busy, return_exceptions=True)
-    # The work flood: requests of n sequences each, then a small one.
-    big = {**small, "n": n, "max_tokens": 8, "ignore_eos": True}
-    payload = request_bytes("/v1/completions", big)
-    work = [asyncio.create_task(one_request(host, port, payload)) for _ in range(n_requests)]
-    await asyncio.sleep(0.5)
-    start = time.perf_counter()
-    newcomer = await _until_admitted(host, port, small)
-    results["newcomer_s"] = time.perf_counter() - start
-    results["newcomer"] = newcomer
-    results["work"] = await asyncio.gather(*work)
-    return results
 
 
 async def _until_admitted(host: str, port: int, body: dict):
@@ -187,6 +198,8 @@ async def _until_admitted(host: str, port: int, body: dict):
 def report(results: dict) -> str:
     lines = []
     for phase in ("flood", "probe"):
+        if phase not in results:
+            continue
         answers = results[phase]
         counts: dict[int, int] = {}
         for status, *_ in answers:
@@ -198,13 +211,16 @@ def report(results: dict) -> str:
     counts = {}
     for status, *_ in work:
         counts[status] = counts.get(status, 0) + 1
-    lines.append(f"work flood: statuses {counts}; the small request after it: status "
+    refused = [a[1] for a in work if a[0] == 429]
+    lines.append(f"work flood: statuses {counts}; 429 latency {percentiles(refused)}")
+    lines.append("the small request after it: status "
                  f"{results['newcomer'][0]} in {results['newcomer_s']:.2f} s "
                  "(429s retried after Retry-After)")
-    busy = results["busy"]
-    finished = sum(1 for a in busy if isinstance(a, tuple) and a[0] == 200)
-    lines.append(f"busy streams: {len(busy)} ({finished} finished, the rest disconnected "
-                 "after the probes)")
+    busy = results.get("busy", ())
+    if busy:
+        finished = sum(1 for a in busy if isinstance(a, tuple) and a[0] == 200)
+        lines.append(f"busy streams: {len(busy)} ({finished} finished, the rest "
+                     "disconnected after the probes)")
     return "\n".join(lines)
 
 
@@ -218,6 +234,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--n-requests", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--work-tokens", type=int, default=8,
+                        help="max_tokens of the work flood's requests")
+    parser.add_argument("--work-only", action="store_true", help="only the work flood")
+    parser.add_argument("--scheduling-policy", default=None)
     args = parser.parse_args()
 
     import resource
@@ -228,13 +248,16 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     flags = ["--max-queued-sequences", str(args.bound), "--max-num-seqs",
              str(args.max_num_seqs), "--served-model-name", "flood"]
+    if args.scheduling_policy:
+        flags += ["--scheduling-policy", args.scheduling_policy]
     proc, url = start_server(([args.model] if args.model else []) + flags)
     try:
         host, port = url.removeprefix("http://").split(":")
         results = asyncio.run(run(host, int(port), bound=args.bound,
                                   connections=args.connections, probes=args.probes,
                                   busy_tokens=args.busy_tokens, n=args.n,
-                                  n_requests=args.n_requests, model="flood"))
+                                  n_requests=args.n_requests, model="flood",
+                                  work_tokens=args.work_tokens, work_only=args.work_only))
         print(report(results))
     finally:
         proc.terminate()
