@@ -179,6 +179,11 @@ class GrammarFactory:
         self._pool = None
         self._closed = False
         self._lock = threading.Lock()
+        # cache key -> [compiled grammar, live parameter objects pinning it] (_pin). Its
+        # own re-entrant lock: an unpin runs when the garbage collector frees a request's
+        # parameters, which may happen on any thread, inside any allocation.
+        self._pins: dict[tuple, list] = {}
+        self._pins_lock = threading.RLock()
 
     @property
     def backend(self):
@@ -237,8 +242,13 @@ class GrammarFactory:
         key = backend.cache_key(spec)
         self._check_size(key)
         hit = backend.lookup(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self._compile_miss(key, client)
+        self._pin(spec, hit)
+        return hit
+
+    def _compile_miss(self, key: tuple, client: Hashable) -> Any:
+        backend = self.backend
         from llmlab.sampling.compile_pool import CompilePoolClosed, CompileTimeout
 
         try:
@@ -274,12 +284,37 @@ class GrammarFactory:
 
     def new_state(self, spec: Any, accepted: Iterable[int] = ()):
         """A matcher for ``spec`` that has accepted ``accepted`` (a resumed row's output).
-        The grammar is normally cached (the request compiled it when it arrived); one
-        dropped from the cache since compiles again as :meth:`compile` does."""
+        The grammar comes from the pins (below) or the cache; only a spec that never went
+        through :meth:`compile` (or an equal one still alive) can miss both and compile
+        here, as :meth:`compile` does."""
         backend = self.backend
-        state = backend.new_state(self.compile(spec))
+        with self._pins_lock:
+            pinned = self._pins.get(backend.cache_key(spec))
+        state = backend.new_state(pinned[0] if pinned is not None else self.compile(spec))
         state.accept_many(accepted)
         return state
+
+    def _pin(self, spec: Any, compiled: Any) -> None:
+        """Keep ``compiled`` for as long as ``spec`` (the request's own parameters object)
+        lives, whatever the cache evicts meanwhile: a row starts (or restarts after a
+        preemption) on the engine's loop, where a compile would hold every request, and a
+        client sending hundreds of other grammars must not be able to force one there.
+        What is pinned is bounded by the requests in flight."""
+        try:
+            weakref.finalize(spec, self._unpin, compiled.key)
+        except TypeError:  # a plain mapping: nothing lives on to pin it to
+            return
+        with self._pins_lock:
+            entry = self._pins.setdefault(compiled.key, [compiled, 0])
+            entry[1] += 1
+
+    def _unpin(self, key: tuple) -> None:
+        with self._pins_lock:
+            entry = self._pins.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._pins[key]
 
     def close(self) -> None:
         """Kill every running and queued compile (their callers get a ``ValueError``) and

@@ -249,3 +249,29 @@ def test_lookup_answers_from_the_cache_and_never_compiles(tokenizer):
     compiled = backend.compile(regex("(ab)+"))
     assert backend.lookup({"regex": "(ab)+"}) is compiled
     assert backend.lookup(backend.cache_key(regex("(ab)+"))) is compiled
+
+
+def test_a_live_requests_grammar_survives_eviction_so_its_row_never_compiles(tiny_llama):
+    """A client sending many other grammars evicts a queued request's grammar from the
+    cache; when its row starts (on the engine's loop) the grammar is still there, pinned
+    to the request's own parameters, so nothing compiles on the loop. Once those
+    parameters are gone, so is the pin."""
+    import gc
+
+    from llmlab import LLM
+
+    engine = LLM(tiny_llama, dtype="float32").llm_engine
+    grammars = engine.inputs.grammars
+    grammars.backend.max_cache_entries = 2
+    victim = StructuredOutputsParams(regex="(ab)+c")
+    grammars.compile(victim, client="victim")
+    for i in range(4):  # the attacker's grammars push the victim's out of the cache
+        grammars.compile(StructuredOutputsParams(regex=f"(x{i})+"), client="attacker")
+    assert grammars.backend.lookup(grammars.backend.cache_key(victim)) is None
+    grammars.close()  # from here any compile is refused: only the pin can answer
+    state = grammars.new_state(victim)
+    assert not state.is_terminated  # a matcher of the victim's grammar, made without compiling
+    del victim, state
+    gc.collect()
+    with pytest.raises(ValueError, match="shutting down"):
+        grammars.new_state(StructuredOutputsParams(regex="(ab)+c"))
