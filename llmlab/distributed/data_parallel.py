@@ -65,7 +65,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -482,6 +482,7 @@ class DataParallelEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
+        client: Hashable = None,
     ) -> PreparedRequest:
         """Check and tokenize a request here, without sending it anywhere (as
         :meth:`Engine.prepare_request`); raises :class:`ReplicasDeadError` when no
@@ -489,7 +490,8 @@ class DataParallelEngine:
         if not self.is_alive:
             raise self._no_replica()
         return self.inputs.prepare(
-            request_id, prompt, params, arrival_time, priority, user, self.clock()
+            request_id, prompt, params, arrival_time, priority, user, self.clock(),
+            client=client,
         )
 
     def add_request(

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 from llmlab.engine.engine import Engine, PreparedRequest, PromptType
@@ -294,6 +294,7 @@ class AsyncEngine:
         user: str | None = None,
         arrival_time: float | None = None,
         lora_request: Any = None,
+        client: Hashable = None,
     ) -> RequestStream:
         """Check and queue a request; returns its :class:`RequestStream`.
 
@@ -301,7 +302,9 @@ class AsyncEngine:
         :meth:`Engine.add_request` does, and :class:`EngineDeadError` when not running.
         ``request_id=None`` picks a fresh one; an int (vLLM's examples pass one) is taken as
         its str. ``lora_request``: a :class:`~llmlab.lora.request.LoRARequest` (its
-        adapter is loaded and checked off the loop, with the prompt), or None.
+        adapter is loaded and checked off the loop, with the prompt), or None. ``client``:
+        who sent it, as the caller knows (the server passes the peer's address); grammar
+        compiles queue fairly per client (default: ``user``).
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_reason())
@@ -312,11 +315,14 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        lora = {} if lora_request is None else {"lora_request": lora_request}
+        # Passed only when given: an engine with Engine's surface may not take them.
+        extra = {} if lora_request is None else {"lora_request": lora_request}
+        if client is not None:
+            extra["client"] = client
         prepared = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, functools.partial(
                 self.engine.prepare_request, request_id, prompt, params, arrival_time,
-                priority, user, **lora,
+                priority, user, **extra,
             ),
         )
         delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA

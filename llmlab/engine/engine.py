@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import attrs
@@ -158,17 +158,20 @@ class Engine:
         priority: int = 0,
         user: str | None = None,
         lora_request: Any = None,
+        client: Hashable = None,
     ) -> PreparedRequest:
         """Check and tokenize a request without queueing it (same arguments and errors as
         :meth:`add_request`).
 
         It reads no state that steps change, so it may run in another thread while the
         engine steps: front ends (the :class:`~llmlab.engine.async_engine.AsyncEngine`)
-        tokenize and compile grammars here, off the engine's loop.
+        tokenize and compile grammars here, off the engine's loop. ``client``: who sent
+        it, as the front end knows (the server: the peer's address); grammar compiles
+        queue fairly per client (default: ``user``).
         """
         return self.inputs.prepare(
             request_id, prompt, params, arrival_time, priority, user, self.clock(),
-            lora_request=lora_request,
+            lora_request=lora_request, client=client,
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:

@@ -11,7 +11,7 @@ search all queue requests through it (via :meth:`Engine.prepare_request
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -122,6 +122,7 @@ class InputProcessor:
         user: str | None,
         now: float,
         lora_request: Any = None,
+        client: Hashable = None,
     ) -> PreparedRequest:
         """Check and tokenize one request (``now``: its arrival time when none is given).
         Raises ``TypeError``/``ValueError`` naming the field. ``lora_request``'s adapter is
@@ -169,8 +170,10 @@ class InputProcessor:
             )
         grammar = None
         if params.structured_outputs is not None:
-            # Compiles queue fairly per client (the request's user; None: one shared one).
-            grammar = self.grammars.compile(params.structured_outputs, client=user)
+            # Compiles queue fairly per client: who sent it (a front end's knowledge),
+            # else the request's user (None: one shared client).
+            grammar = self.grammars.compile(
+                params.structured_outputs, client=user if client is None else client)
         return PreparedRequest(
             request_id=request_id,
             prompt=text,

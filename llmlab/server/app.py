@@ -318,6 +318,12 @@ def _respond(result):
                              headers={"Cache-Control": "no-cache"})
 
 
+def _peer(request: Request) -> str | None:
+    """Who sent the request: the peer's host (behind a proxy uvicorn trusts, the
+    forwarded client's), or None. Unlike ``user``, a client cannot choose it."""
+    return request.client.host if request.client is not None else None
+
+
 def _watcher(request: Request):
     async def disconnected():
         while True:
@@ -337,7 +343,8 @@ async def list_models(serving: Serving):
 async def completions(body: p.CompletionRequest, request: Request, serving: Serving):
     refuse_generation(request)
     try:
-        return _respond(await _run(serving.completions(body, _watcher(request))))
+        return _respond(await _run(serving.completions(body, _watcher(request),
+                                                       _peer(request))))
     except ClientDisconnected:
         return Response(status_code=499)
 
@@ -347,7 +354,7 @@ async def completions(body: p.CompletionRequest, request: Request, serving: Serv
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, serving: Serving):
     refuse_generation(request)
     try:
-        return _respond(await _run(serving.chat(body, _watcher(request))))
+        return _respond(await _run(serving.chat(body, _watcher(request), _peer(request))))
     except ClientDisconnected:
         return Response(status_code=499)
 

@@ -203,9 +203,11 @@ class OpenAIServing:
 
     # -- completions ---------------------------------------------------------------------
 
-    async def completions(self, request: p.CompletionRequest, disconnected=None):
+    async def completions(self, request: p.CompletionRequest, disconnected=None,
+                          client: str | None = None):
         """A :class:`~llmlab.server.protocol.CompletionResponse`, or an async iterator of
-        SSE lines when ``stream`` is set."""
+        SSE lines when ``stream`` is set. ``client``: the peer's address (grammar compiles
+        queue fairly per client)."""
         model = self.check_model(request.model)
         _unsupported(request)
         if request.suffix:
@@ -220,12 +222,13 @@ class OpenAIServing:
         ticket = self._check_capacity(request, _num_prompts(request.prompt), request.max_tokens,
                                       _known_prompt_tokens(request.prompt))
         try:
-            return await self._completions(request, model, echo_only, ticket, disconnected)
+            return await self._completions(request, model, echo_only, ticket, disconnected,
+                                           client)
         except BaseException:
             ticket.release()  # what no stream took over
             raise
 
-    async def _completions(self, request, model, echo_only, ticket, disconnected):
+    async def _completions(self, request, model, echo_only, ticket, disconnected, client):
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         params_list = [
             self._params(
@@ -239,7 +242,7 @@ class OpenAIServing:
             for prompt in prompts
         ]
         self._settle(ticket, request, prompts, params_list)
-        streams = await self._add_all(prompts, params_list, request, ticket)
+        streams = await self._add_all(prompts, params_list, request, ticket, client)
         run = _CompletionRun(self, request, model, prompts, streams, echo_only=echo_only)
         if request.stream:
             return run.stream()
@@ -279,7 +282,8 @@ class OpenAIServing:
 
     # -- chat ----------------------------------------------------------------------------
 
-    async def chat(self, request: p.ChatCompletionRequest, disconnected=None):
+    async def chat(self, request: p.ChatCompletionRequest, disconnected=None,
+                   client: str | None = None):
         model = self.check_model(request.model)
         _unsupported(request)
         tools, tool_mode = check_tools(request, self.tool_parser)
@@ -306,13 +310,13 @@ class OpenAIServing:
         ticket = self._check_capacity(request, 1, max_tokens)
         try:
             return await self._chat(request, model, structured, tool_mode, max_tokens, ticket,
-                                    disconnected)
+                                    disconnected, client)
         except BaseException:
             ticket.release()  # what no stream took over
             raise
 
     async def _chat(self, request, model, structured, tool_mode, max_tokens, ticket,
-                    disconnected):
+                    disconnected, client):
         prompt = await self._render(request)
         params = self._params(
             request, prompt, max_tokens,
@@ -321,7 +325,7 @@ class OpenAIServing:
             stream=bool(request.stream), structured=structured,
         )
         self._settle(ticket, request, [prompt], [params])
-        streams = await self._add_all([prompt], [params], request, ticket)
+        streams = await self._add_all([prompt], [params], request, ticket, client)
         echo = ""
         last = request.messages[-1]
         if request.echo and last.role == "assistant":
@@ -549,12 +553,14 @@ class OpenAIServing:
             raise bad_request(err, fields) from err
 
     async def _add_all(self, prompts: list[_Prompt], params_list, request,
-                       ticket: Ticket) -> list[RequestStream]:
+                       ticket: Ticket, client: str | None = None) -> list[RequestStream]:
         base = p.random_id("req")
         streams: list[RequestStream] = []
         # A request whose model names a served LoRA adapter runs with it.
         lora = None if self.lora is None else self.lora.get(request.model)
         extra = {} if lora is None else {"lora_request": lora}
+        if client is not None:  # the peer, not the client-chosen `user`, keys fairness
+            extra["client"] = client
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 engine_prompt = {"prompt_token_ids": prompt.token_ids}

@@ -356,9 +356,9 @@ def test_a_full_server_refuses_before_parsing_yet_the_client_reads_its_429(tiny_
     parsed = []
     real = type(app.state.serving).completions
 
-    async def counting(self, request, disconnected=None):
+    async def counting(self, request, disconnected=None, client=None):
         parsed.append(request)
-        return await real(self, request, disconnected)
+        return await real(self, request, disconnected, client)
 
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
