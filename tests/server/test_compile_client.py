@@ -11,14 +11,9 @@ from tests.server.conftest import running
 pytest.importorskip("xgrammar")
 
 
-def test_the_server_keys_grammar_compiles_by_the_peer_address(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
-
-    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
-    app = build_app(engine, served_model_names=["tiny"])
-    grammars = engine.engine.grammars
-    seen = []
+def clients_seen(grammars) -> list:
+    """The ``client`` of every compile ``grammars`` is asked for, in order."""
+    seen: list = []
     real = grammars.compile
 
     def spy(spec, client=None):
@@ -26,6 +21,17 @@ def test_the_server_keys_grammar_compiles_by_the_peer_address(tiny_llama):
         return real(spec, client=client)
 
     grammars.compile = spy
+    return seen
+
+
+def test_the_server_keys_grammar_compiles_by_the_peer_address(tiny_llama):
+    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.server.app import build_app
+
+    engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
+    app = build_app(engine, served_model_names=["tiny"])
+    grammars = engine.engine.grammars
+    seen = clients_seen(grammars)
     body = {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "(ab)+"}}
     with running(app) as url:
         for local, user in (("127.0.0.2", "alice"), ("127.0.0.3", None)):
@@ -41,14 +47,7 @@ def test_without_a_client_the_engine_keys_compiles_by_user(tiny_llama):
 
     engine = LLM(tiny_llama, dtype="float32").llm_engine
     grammars = engine.grammars
-    seen = []
-    real = grammars.compile
-
-    def spy(spec, client=None):
-        seen.append(client)
-        return real(spec, client=client)
-
-    grammars.compile = spy
+    seen = clients_seen(grammars)
     params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     engine.prepare_request("a", "hi", params, user="bob")
     engine.prepare_request("b", "hi", params, user="bob", client=("10.0.0.1", 5))
