@@ -70,13 +70,15 @@ class Admission:
         """What is reserved now."""
         return self._held
 
-    def admit(self, weight: Weight) -> Ticket:
-        """Reserve ``weight``, or raise a 429 :class:`APIError` naming the bound it would
-        pass. The check and the reservation are one step."""
+    def admit(self, *parts: Weight) -> Ticket:
+        """Reserve the request whose prompts weigh ``parts`` (one part: a whole-request
+        estimate, for :meth:`Ticket.settle`), or raise a 429 :class:`APIError` naming the
+        bound it would pass. The check and the reservation are one step."""
+        weight = sum(parts, Weight())
         with self._lock:
             self._check(weight)
             self._held = self._held + weight
-        return Ticket(self, weight)
+        return Ticket(self, parts)
 
     def full_reason(self) -> str | None:
         """Why no request at all fits now (the smallest is one sequence of two tokens),
@@ -142,10 +144,10 @@ class Ticket:
     :meth:`release` gives back the rest. Releasing is idempotent and thread-safe (streams
     end on the engine loop's thread)."""
 
-    def __init__(self, admission: Admission, weight: Weight) -> None:
+    def __init__(self, admission: Admission, parts: Sequence[Weight]) -> None:
         self._admission = admission
         self._lock = threading.Lock()
-        self._parts: list[Weight | None] = [weight]
+        self._parts: list[Weight | None] = list(parts)
         self._attached: set[int] = set()
 
     def settle(self, parts: Sequence[Weight]) -> None:

@@ -235,10 +235,9 @@ async def _pool(serving: Any, prompts: list[Any], params: PoolingParams, request
     base = p.random_id("pool")
     streams = []
     # One sequence per prompt; text's tokens are not known before the engine tokenizes it.
-    known = sum(len(pr["prompt_token_ids"]) for pr in prompts if "prompt_token_ids" in pr)
-    ticket = serving.check_room(len(prompts), known)
+    ticket = serving.admission.admit(
+        *(Weight(1, 1, len(pr.get("prompt_token_ids", ()))) for pr in prompts))
     try:
-        ticket.settle([Weight(1, 1, len(pr.get("prompt_token_ids", ()))) for pr in prompts])
         try:
             for i, prompt in enumerate(prompts):
                 stream = await engine.add_request(

@@ -177,11 +177,6 @@ class OpenAIServing:
             for prompt, params in zip(prompts, params_list, strict=True)
         ])
 
-    def check_room(self, sequences: int, tokens: int = 0) -> Ticket:
-        """Reserve ``sequences`` single-sequence requests of ``tokens`` in all (pooling),
-        or a 429 with ``Retry-After``."""
-        return self.admission.admit(Weight(sequences, sequences, tokens))
-
     def _check_text(self, field: str, text: str) -> None:
         """The engine's check of prompt text (bounded, valid Unicode) before this server
         tokenizes it itself, as an API error."""

@@ -230,7 +230,7 @@ def test_tokens_count_prompt_plus_max_tokens_per_sequence(bounded):
         refused, health, held = asyncio.run(main())
     assert refused.status_code == 429 and "token" in refused.json()["error"]["message"]
     assert held.status_code == 200, held.text
-    assert health.status_code in (200, 503)  # full only if under 2 tokens remain
+    assert health.status_code == 200  # a small request still fits: not full
     assert admission.held == Weight()
 
 
