@@ -46,7 +46,7 @@ Fairness and method:
   call), not Python's launch overhead.
 * Host time (``host us``): the wall time to enqueue one llmlab call with the GPU idle.
   It is reported, not mixed into the bandwidth: the engine replays pure decode steps from
-  CUDA graphs (``llmlab.engine.cuda_graphs``), which hides it there, but prefill, mixed
+  CUDA graphs (``llmlab.runner.cuda_graphs``), which hides it there, but prefill, mixed
   and ``enforce_eager`` steps pay it per layer, and where it exceeds the GPU time such a
   step is launch-bound.
 * Numerics, once per config: max |llmlab - SDPA| / max |SDPA| must stay below 2e-2 for

@@ -51,9 +51,9 @@ def main() -> None:
 
     from llmlab import LLM, SamplingParams
     from llmlab.builtin import ensure_builtin_model
-    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.entrypoints.async_engine import AsyncEngine
     from llmlab.loadtest import BenchConfig, benchmark, format_report, sample_requests
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.server.app import build_app
 
     model = args.model or str(ensure_builtin_model())
     settings = {"max_num_seqs": args.max_num_seqs, "seed": 0}

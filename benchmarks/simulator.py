@@ -383,7 +383,7 @@ def decisions(events, records) -> dict:
 def replay_check(run: dict, workload: Workload, settings: Mapping[str, Any]) -> dict:
     """Replay a real run's step times in the simulator; compare the decisions."""
     from llmlab.builtin import builtin_model_path
-    from llmlab.engine.executor import VirtualClock
+    from llmlab.runner.executor import VirtualClock
     from llmlab.sim import ReplayCostModel
 
     events = run["events"]

@@ -11,13 +11,17 @@ from llmlab.threads import set_wait_policy
 
 set_wait_policy()
 
+from llmlab import _moved
+
+_moved.install()
+
 from llmlab.config import EngineConfig
 from llmlab.distributed.data_parallel import DataParallelEngine
-from llmlab.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from llmlab.engine.async_engine import AsyncEngine
+from llmlab.entrypoints.arg_utils import AsyncEngineArgs, EngineArgs
+from llmlab.entrypoints.async_engine import AsyncEngine
 from llmlab.engine.builder import EngineBuilder
 from llmlab.engine.engine import Engine
-from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
+from llmlab.observe.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -33,7 +37,7 @@ from llmlab.engine.outputs import (
 )
 from llmlab.errors import ExecutorDeadError
 from llmlab.inputs import PromptType, TextPrompt, TokensPrompt
-from llmlab.llm import LLM
+from llmlab.entrypoints.llm import LLM
 from llmlab.lora.request import LoRARequest
 from llmlab.pooling import PoolerConfig
 from llmlab.pooling_params import PoolingParams

@@ -20,7 +20,7 @@ Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``samp
 ``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`),
 ``pooler`` (one request's hidden states -> one vector: :mod:`llmlab.pooling`),
 ``tool_parser`` (tool calls in a model's text, for the server's ``tool_choice="auto"``:
-:mod:`llmlab.server.tool_parsers`), ``kv_press`` (which cached tokens a request keeps:
+:mod:`llmlab.entrypoints.server.tool_parsers`), ``kv_press`` (which cached tokens a request keeps:
 :mod:`llmlab.kvpress`) and ``model``. The registry maps names to *factories*
 (usually classes) called with no arguments; each engine gets fresh instances, so no state
 is shared between engines. Models
@@ -47,7 +47,7 @@ KINDS: dict[str, str] = {
     "proposer": "llmlab.speculative",
     "router": "llmlab.routing",
     "pooler": "llmlab.pooling.pooler",
-    "tool_parser": "llmlab.server.tool_parsers",
+    "tool_parser": "llmlab.entrypoints.server.tool_parsers",
     "kv_press": "llmlab.kvpress",
 }
 """Each kind, and the module whose import registers its built-ins."""

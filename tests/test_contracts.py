@@ -8,7 +8,7 @@ import pytest
 
 from llmlab import LLM, registry
 from llmlab.cache import KVCacheManager, LRUEviction
-from llmlab.engine import builder
+from llmlab.engine import assembly
 
 
 class OneBlockAtATime:
@@ -46,7 +46,7 @@ def nothing_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was resolved before the components were checked")
 
-    monkeypatch.setattr(builder, "resolve_model_path", refuse)
+    monkeypatch.setattr(assembly, "resolve_model_path", refuse)
 
 
 @pytest.mark.parametrize("policy", [OneBlockAtATime(), EvictWithoutCount()],

@@ -134,7 +134,7 @@ def test_known_exceptions_still_exist():
     [
         ("llmlab.cache.block_pool", "llmlab.engine.engine"),  # cache reaching for the engine
         ("llmlab.request", "llmlab.sampling.sampler"),  # a leaf reaching into sampling
-        ("llmlab.engine.builder", "llmlab.server.app"),  # the engine reaching for the server
+        ("llmlab.engine.builder", "llmlab.entrypoints.server.app"),  # the engine reaching for the server
         ("llmlab.models.llama", "llmlab"),  # anything below the top importing the front door
     ],
 )

@@ -29,8 +29,8 @@ from benchmarks.common import (
 from llmlab import LLM, EngineConfig, SamplingParams
 from llmlab.cache import KVCacheManager
 from llmlab.engine.engine import Engine
-from llmlab.engine.events import StepEvent
-from llmlab.engine.executor import VirtualClock
+from llmlab.observe.events import StepEvent
+from llmlab.runner.executor import VirtualClock
 from llmlab.scheduler import FCFS, BatchOutput, Scheduler
 from llmlab.scheduler.batch import Admission
 

@@ -5,7 +5,7 @@ the tokens it will compute this step (all or nothing), register blocks once thei
 computed, give everything back when the request finishes, is aborted or is preempted, cut a
 request back (``truncate``) or share its blocks with a new one (``fork``, copy-on-write).
 Each call records what happened to which block; the engine drains that record into the
-step's :class:`~llmlab.engine.events.StepEvent`, and takes the pending block copies for the
+step's :class:`~llmlab.observe.events.StepEvent`, and takes the pending block copies for the
 executor to apply before the next forward pass.
 """
 

@@ -96,8 +96,9 @@ from llmlab.distributed.replica_process import (
     ReplicaSpec,
     StepReport,
 )
-from llmlab.engine.builder import EngineBuilder, resolve_device
-from llmlab.engine.events import StepEvent, StepObserver, notify
+from llmlab.engine.builder import EngineBuilder
+from llmlab.runner.build import resolve_device
+from llmlab.observe.events import StepEvent, StepObserver, notify
 from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.errors import ComponentError, RequestFailedError, component_name
@@ -250,7 +251,7 @@ def _refuse_pooling(cfg: Any) -> None:
     if runner == "auto":
         from transformers import AutoConfig
 
-        from llmlab.engine.pooling_setup import pooling_spec
+        from llmlab.runner.pooling_setup import pooling_spec
         from llmlab.models.loader import resolve_model_path
 
         path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)

@@ -218,7 +218,7 @@ def _rank_resources(plan: Any) -> dict[str, float]:
     """What one rank asks Ray for."""
     if plan.device.type == "cuda":
         return {"CPU": 1.0, "GPU": 1.0}
-    from llmlab.engine.builder import rank_threads
+    from llmlab.runner.build import rank_threads
 
     return {"CPU": float(rank_threads(plan.config) or 1)}
 

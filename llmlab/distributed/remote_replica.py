@@ -16,7 +16,7 @@ from llmlab.cache.prefix_index import ROOT_HASH, chain_hash
 from llmlab.distributed.liveness import Liveness
 from llmlab.distributed.replica_handle import ReplicaHandle
 from llmlab.distributed.replica_process import ReplicaInfo
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.routing.replica import EngineReplica
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 is the engine's own process: it schedules, and for each step broadcasts the
 data-only :class:`~llmlab.scheduler.batch.ScheduledBatch` to the other ranks; then every
-rank runs the same :class:`~llmlab.engine.model_runner.ModelRunner` on it, its model
+rank runs the same :class:`~llmlab.runner.model_runner.ModelRunner` on it, its model
 shard joining the others through the collectives inside the model (two all-reduces per
 block, one all-gather for the logits). Every rank also samples: after the all-gather each
 holds the same full logits and the same seeded generator, so each draws the same tokens
@@ -116,7 +116,7 @@ def worker_main(rank: int, size: int, host: str, port: int, plan: Any,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    from llmlab.engine.builder import build_rank
+    from llmlab.runner.build import build_rank
 
     cfg = plan.config
     timeout = datetime.timedelta(seconds=cfg.distributed_timeout_s)
@@ -287,11 +287,11 @@ def _await_workers(group: WorkerGroup, store, size: int, timeout_s: float) -> No
 
 
 class TensorParallelExecutor:
-    """The :class:`~llmlab.engine.executor.Executor` of a tensor-parallel engine: rank 0's
+    """The :class:`~llmlab.runner.executor.Executor` of a tensor-parallel engine: rank 0's
     model runner plus the other ranks, which execute every batch with it.
 
     Attributes:
-        runner: rank 0's :class:`~llmlab.engine.model_runner.ModelRunner`.
+        runner: rank 0's :class:`~llmlab.runner.model_runner.ModelRunner`.
         workers: the :class:`WorkerGroup` of ranks 1..N-1.
         dead: why the group stopped (None while it runs).
     """

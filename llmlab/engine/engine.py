@@ -1,9 +1,9 @@
 """``Engine``: add requests, step, read outputs (the shape of vLLM's ``LLMEngine``).
 
-One ``step()`` is: schedule -> execute the batch (an :class:`~llmlab.engine.executor.Executor`;
+One ``step()`` is: schedule -> execute the batch (an :class:`~llmlab.runner.executor.Executor`;
 the model runner for a real model) -> commit (the scheduler appends the new tokens and
 decides what finished; output processing finds stop strings and builds outputs) -> emit
-one :class:`~llmlab.engine.events.StepEvent` -> return outputs. Build one with
+one :class:`~llmlab.observe.events.StepEvent` -> return outputs. Build one with
 :class:`~llmlab.engine.builder.EngineBuilder` (or ``LLM(...)``).
 
 The engine is the mechanism that joins three parts, each the only writer of its facts:
@@ -29,7 +29,8 @@ import attrs
 
 from llmlab.cache.kv_cache_manager import BlockEvents
 from llmlab.config import EngineConfig
-from llmlab.engine.events import (
+from llmlab.engine.assembly import assemble
+from llmlab.observe.events import (
     Arrival,
     EngineSnapshot,
     StepEvent,
@@ -37,7 +38,7 @@ from llmlab.engine.events import (
     notify,
     step_event,
 )
-from llmlab.engine.executor import Clock, Executor, real_clock
+from llmlab.runner.executor import Clock, Executor, real_clock
 from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.output_processor import OutputProcessor
@@ -108,10 +109,8 @@ class Engine:
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> Engine:
         """vLLM's ``LLMEngine.from_engine_args``: the engine an
-        :class:`~llmlab.engine.arg_utils.EngineArgs` describes (one replica; for
+        :class:`~llmlab.entrypoints.arg_utils.EngineArgs` describes (one replica; for
         ``data_parallel_size > 1`` use ``LLM`` or ``AsyncEngine``)."""
-        from llmlab.engine.builder import EngineBuilder
-
         config = engine_args.create_engine_config()
         if config.data_parallel_size > 1:
             raise ValueError(
@@ -119,7 +118,7 @@ class Engine:
                 f"{config.data_parallel_size} needs LLM(**vars(args)) or "
                 "AsyncEngine.from_engine_args(args)"
             )
-        return EngineBuilder(config).build()
+        return cls(**assemble(config))
 
     def add_request(
         self,
@@ -164,7 +163,7 @@ class Engine:
         :meth:`add_request`).
 
         It reads no state that steps change, so it may run in another thread while the
-        engine steps: front ends (the :class:`~llmlab.engine.async_engine.AsyncEngine`)
+        engine steps: front ends (the :class:`~llmlab.entrypoints.async_engine.AsyncEngine`)
         tokenize and compile grammars here, off the engine's loop. ``client``: who sent
         it, as the front end knows (the server: the peer's address); grammar compiles
         queue fairly per client (default: ``user``).
@@ -284,9 +283,9 @@ class Engine:
 
         The file starts with the engine's config and an :class:`EngineSnapshot`, then has
         one line per step event (request arrivals included). Stop with ``close()`` or a
-        ``with`` block; read it back with :func:`llmlab.viz.load` (``llmlab.engine.recording``).
+        ``with`` block; read it back with :func:`llmlab.viz.load` (``llmlab.observe.recording``).
         """
-        from llmlab.engine.recording import Recorder
+        from llmlab.observe.recording import Recorder
 
         return Recorder(self, path)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.engine.outputs import RequestOutput
 from llmlab.experiments.metrics import RecordColumns, RequestRecord, StepTrace
 from llmlab.experiments.workloads import WorkloadRequest

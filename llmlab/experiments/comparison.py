@@ -33,7 +33,7 @@ import numpy as np
 from llmlab import registry
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import Engine
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.experiments.collect import RunCollector
 from llmlab.experiments.metrics import RequestRecord, StepTrace, summarize
 from llmlab.experiments.workloads import Workload, WorkloadRequest
@@ -408,7 +408,7 @@ def _build(model: ModelOrFactory, settings: dict[str, Any], simulated: bool = Fa
     if callable(model):
         built = model(**settings)
     else:
-        from llmlab.llm import LLM
+        from llmlab.entrypoints.llm import LLM
 
         settings = dict(settings)
         built = LLM(settings.pop("model", model), **settings)

@@ -30,7 +30,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 
 
 @attrs.define

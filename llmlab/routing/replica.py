@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmlab.cache.prefix_index import ROOT_HASH, chain_hash
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 
 
 class EngineReplica:

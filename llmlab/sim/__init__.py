@@ -9,7 +9,7 @@ acceptance rates) and every policy component run unchanged: a policy studied her
 code that runs for real.
 
     from llmlab.sim import ProfiledCostModel, read_trace, simulate
-    from llmlab.engine.recording import load
+    from llmlab.observe.recording import load
 
     cost = ProfiledCostModel.fit(load("real_run.jsonl"))    # or RooflineCostModel / "roofline"
     result = simulate(read_trace("mooncake.jsonl", vocab_size=32000), model=path,

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.errors import ComponentError
 from llmlab.sim.shape import BatchShape
 

@@ -2,9 +2,9 @@
 
 It takes ``LLM``'s keywords (every :class:`~llmlab.config.EngineConfig` field and the
 scheduling and eviction policies) and builds the same scheduler and KV cache manager the
-real engine would (:func:`~llmlab.engine.builder.build_scheduler`, with the same defaults:
+real engine would (:func:`~llmlab.engine.assembly.scheduler_for`, with the same defaults:
 token budget, block count), reading only the model's ``config.json``: no weights, no
-tokenizer, no device. Time is a :class:`~llmlab.engine.executor.VirtualClock`.
+tokenizer, no device. Time is a :class:`~llmlab.runner.executor.VirtualClock`.
 
     engine = sim_engine("path/to/model", cost_model=ProfiledCostModel.fit(recording),
                         num_gpu_blocks_override=4096, scheduling_policy="priority")
@@ -21,7 +21,7 @@ from typing import Any
 from llmlab.config import EngineConfig
 from llmlab.dtypes import dtype_from_name
 from llmlab.engine.engine import Engine
-from llmlab.engine.executor import VirtualClock
+from llmlab.runner.executor import VirtualClock
 from llmlab.sim.cost_model import CostModel
 from llmlab.sim.executor import SimulatedExecutor
 from llmlab.sim.roofline import (
@@ -66,11 +66,12 @@ def sim_engine(
     unknown keyword, and a speculative method other than ``synthetic`` (the simulator has
     no drafter: it accepts drafts at the given per-position rates).
     """
-    from llmlab.engine.builder import (
+    from llmlab.engine.assembly import (
         CONFIG_FIELDS,
-        _component,
-        build_scheduler,
+        component,
+        engine_fields,
         resolve_step_settings,
+        scheduler_for,
     )
 
     unknown = sorted(set(settings) - set(CONFIG_FIELDS))
@@ -96,10 +97,10 @@ def sim_engine(
     # "auto": what the real engine would pick, bfloat16 on a GPU and float32 on a CPU.
     dtype = dtype_from_name(cfg.dtype)
     dtype_bytes = dtype.itemsize if dtype is not None else 2 if on_gpu else 4
-    policy = _component("scheduling_policy", scheduling_policy)
-    eviction = _component("eviction_policy", eviction_policy)
+    policy = component("scheduling_policy", scheduling_policy)
+    eviction = component("eviction_policy", eviction_policy)
     num_blocks = _num_blocks(cfg, shape, max_model_len, hw, on_gpu, dtype_bytes)
-    scheduler = build_scheduler(cfg, num_blocks, max_model_len, policy, eviction)
+    scheduler = scheduler_for(cfg, num_blocks, max_model_len, policy, eviction)
     clock = clock if clock is not None else VirtualClock()
     if isinstance(cost_model, str):
         if cost_model != "roofline":
@@ -121,22 +122,11 @@ def sim_engine(
             )
         acceptance = spec.build_proposer()
         length = spec.length_policy()
-        scheduler.speculation = length
     executor = SimulatedExecutor(cost_model, clock, shape.vocab_size, acceptance)
-    engine = Engine(
-        config=cfg,
-        scheduler=scheduler,
-        executor=executor,
-        tokenizer=None,
-        vocab_size=shape.vocab_size,
-        max_model_len=max_model_len,
-        eos_token_ids=frozenset(),
-        clock=clock,
-        max_logprobs=cfg.max_logprobs,
-    )
-    if callable(getattr(length, "observe", None)):
-        engine.subscribe(length.observe)  # an adaptive length learns from step events
-    return engine
+    return Engine(**engine_fields(
+        cfg, scheduler, executor, length, tokenizer=None, vocab_size=shape.vocab_size,
+        max_model_len=max_model_len, eos_token_ids=frozenset(), clock=clock,
+    ))
 
 
 def _model(model: Any) -> tuple[ModelShape, str, int | None]:

@@ -4,7 +4,7 @@ The engine, its scheduler, KV cache manager and every policy component run uncha
 this executor differs from the real one. For each batch it
 
 1. prices the step with its :class:`~llmlab.sim.cost_model.CostModel` (the whole step cycle,
-   host time included) and advances the :class:`~llmlab.engine.executor.VirtualClock`;
+   host time included) and advances the :class:`~llmlab.runner.executor.VirtualClock`;
 2. returns one placeholder token per scored entry (and per parallel sample that starts),
    so requests run until their ``max_tokens``: a simulated request carries its output
    length, and the engine built for simulation has no EOS token to end it sooner;
@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from llmlab.engine.executor import VirtualClock
+from llmlab.runner.executor import VirtualClock
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.sim.cost_model import CostModel, step_time
 from llmlab.sim.shape import BatchShape
@@ -40,7 +40,7 @@ _ROW_MIX, _POSITION_MIX, _TOKEN_MIX = 7919, 104729, 31
 
 @attrs.define(eq=False)
 class SimulatedExecutor:
-    """An :class:`~llmlab.engine.executor.Executor` that only advances a virtual clock.
+    """An :class:`~llmlab.runner.executor.Executor` that only advances a virtual clock.
 
     Attributes:
         cost_model: prices each step (:class:`~llmlab.sim.cost_model.CostModel`).

@@ -1,6 +1,6 @@
 """``ProfiledCostModel``: step time fitted on a real run's step events.
 
-    recording = llmlab.engine.recording.load("run.jsonl")   # or a list of StepEvents
+    recording = llmlab.observe.recording.load("run.jsonl")   # or a list of StepEvents
     model = ProfiledCostModel.fit(recording)
     model.step_time(shape)                                  # seconds
 
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.sim.cost_model import as_shapes
 from llmlab.sim.shape import FEATURES, BatchShape
 
@@ -104,7 +104,7 @@ class ProfiledCostModel:
         *,
         skip: int = 0,
     ) -> ProfiledCostModel:
-        """Fit on a real run's events (a :class:`~llmlab.engine.recording.Recording`, a
+        """Fit on a real run's events (a :class:`~llmlab.observe.recording.Recording`, a
         ``Comparison``'s events of one configuration, or any list of ``StepEvent``s) of a
         *warmed-up* engine (the first steps of a fresh engine meet every shape for the
         first time and are slow; ``skip`` leaves out that many first steps). Raises

@@ -40,7 +40,7 @@ from llmlab.sim.measure import (
 from llmlab.validation import as_bool, as_int, as_real, as_str
 
 if TYPE_CHECKING:
-    from llmlab.engine.events import StepEvent
+    from llmlab.observe.events import StepEvent
     from llmlab.sim.shape import BatchShape
 
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from llmlab import registry
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.experiments.collect import RunCollector
 from llmlab.experiments.comparison import (
     _abort_quietly,

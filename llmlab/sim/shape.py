@@ -5,7 +5,7 @@ The same shape is read two ways, and the two agree exactly (a test holds them to
 * :meth:`BatchShape.of_batch`, from the :class:`~llmlab.scheduler.batch.ScheduledBatch` a
   simulated executor receives (plus what it decides itself: drafts verified, requests
   finishing), to *predict* the step's time;
-* :meth:`BatchShape.of_event`, from the :class:`~llmlab.engine.events.StepEvent` a real
+* :meth:`BatchShape.of_event`, from the :class:`~llmlab.observe.events.StepEvent` a real
   engine emitted for the same step, to *fit* a cost model on measured times
   (:class:`~llmlab.sim.profiled.ProfiledCostModel`).
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.scheduler.batch import ScheduledBatch
 
 FEATURES = (

@@ -27,7 +27,7 @@ Formats:
   header ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``;
   ``Timestamp`` is seconds from the trace's start. Rows with 0 response tokens are failed
   requests; ``model`` keeps only one model's rows.
-* ``"recording"``: llmlab's own recordings (:func:`llmlab.engine.recording.load`): every
+* ``"recording"``: llmlab's own recordings (:func:`llmlab.observe.recording.load`): every
   arrival, with its prompt length, ``max_tokens`` (``default_max_tokens`` where it was
   None), user and priority. Recordings are small, so this one reads the whole file.
 
@@ -338,7 +338,7 @@ def _mooncake_rows(path: pathlib.Path, _: Mapping[str, object]) -> Iterator[_Row
 
 def _recording_rows(path: pathlib.Path, format_options: Mapping[str, object]
                     ) -> Iterator[_Row]:
-    from llmlab.engine.recording import load
+    from llmlab.observe.recording import load
 
     arrivals = []
     # Line 1 is the header and the recorder writes one step a line: step i is line i + 2.

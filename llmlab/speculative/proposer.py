@@ -19,7 +19,7 @@ Optional hooks, each called only when the proposer defines it:
   (vocabulary size, device, block size, the target's KV layout): what a proposer that runs
   a model of its own needs.
 
-Proposers run inside the executor (the :class:`~llmlab.engine.model_runner.ModelRunner`),
+Proposers run inside the executor (the :class:`~llmlab.runner.model_runner.ModelRunner`),
 after the batch is scheduled and before the target's forward pass, so a draft model can
 write its own KV cache into the blocks the scheduler reserved for the step.
 """

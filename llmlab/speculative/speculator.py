@@ -1,6 +1,6 @@
 """The model runner's speculative step: ask the proposer, verify, report.
 
-:class:`Speculator` is mechanism owned by the :class:`~llmlab.engine.model_runner.ModelRunner`
+:class:`Speculator` is mechanism owned by the :class:`~llmlab.runner.model_runner.ModelRunner`
 (one per engine). For a batch whose entries carry a lookahead (``num_lookahead``, set by
 the scheduler) it
 

@@ -7,7 +7,7 @@ uses the counts and the definitions in :class:`SpecDecodeStats`'s docstring, whi
 This module sits below the engine, so it reads events by duck typing: any object with
 ``step_index``, ``end_time_s`` and ``speculated`` (``(request_id, num_drafted,
 num_accepted)`` per request that speculated) will do, a
-:class:`~llmlab.engine.events.StepEvent` included.
+:class:`~llmlab.observe.events.StepEvent` included.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import attrs
 
 
 class _SpeculatedStep(Protocol):
-    """What this module reads of a :class:`~llmlab.engine.events.StepEvent`."""
+    """What this module reads of a :class:`~llmlab.observe.events.StepEvent`."""
 
     step_index: int
     end_time_s: float

@@ -13,12 +13,12 @@
     replay = KVCacheView(load("run.jsonl"))   # the same frames, with a slider and play
     SchedulerTimeline("run.jsonl").display()
 
-Views consume :class:`~llmlab.engine.events.StepEvent`\\ s only (plus the snapshot taken when
+Views consume :class:`~llmlab.observe.events.StepEvent`\\ s only (plus the snapshot taken when
 they attach), never engine internals; :mod:`llmlab.viz.state` holds the event-folding
 models they draw, usable without any widget.
 """
 
-from llmlab.engine.recording import Recorder, Recording, load
+from llmlab.observe.recording import Recorder, Recording, load
 from llmlab.viz.state import Frame, KVCacheState, MetricSeries, SchedulerSeries
 from llmlab.viz.views import (
     KVCacheView,

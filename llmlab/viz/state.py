@@ -1,7 +1,7 @@
 """What the views draw, computed from step events alone (no widgets, no engine access).
 
-:class:`KVCacheState` starts from an :class:`~llmlab.engine.events.EngineSnapshot` and
-applies each :class:`~llmlab.engine.events.StepEvent`; its :meth:`~KVCacheState.frame` is an
+:class:`KVCacheState` starts from an :class:`~llmlab.observe.events.EngineSnapshot` and
+applies each :class:`~llmlab.observe.events.StepEvent`; its :meth:`~KVCacheState.frame` is an
 immutable picture of the block pool. Live views and replays of a recording run exactly this
 code on exactly these inputs, so a replayed frame equals the live one.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from llmlab.engine.events import EngineSnapshot, StepEvent
+from llmlab.observe.events import EngineSnapshot, StepEvent
 
 # Block states in a frame.
 EMPTY, CACHED, USED, SHARED = 0, 1, 2, 3

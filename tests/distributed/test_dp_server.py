@@ -54,8 +54,8 @@ async def stream_all(url: str, n: int) -> list[dict]:
 
 def test_200_streams_survive_a_killed_replica_and_the_server_reports_it(tiny_llama):
     from llmlab.distributed.data_parallel import DataParallelEngine
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     dp = DataParallelEngine.from_settings(
         tiny_llama, data_parallel_size=2, **SETTINGS)

@@ -277,8 +277,8 @@ def test_the_server_says_degraded_while_a_replica_is_stopped_and_503_while_none_
     """Last here: the app's shutdown stops the engine."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
     from tests.server.conftest import running
 
     pids = [s.pid for s in engine.health()]

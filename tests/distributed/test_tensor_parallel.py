@@ -20,7 +20,7 @@ import torch
 from llmlab import LLM, SamplingParams
 from llmlab.config import EngineConfig
 from llmlab.distributed.parallel_state import TensorParallel
-from llmlab.engine.builder import check_parallel_devices
+from llmlab.runner.build import check_parallel_devices
 from llmlab.errors import ExecutorDeadError
 from llmlab.sampling.params import StructuredOutputsParams
 from tests.conftest import ARCHITECTURES
@@ -192,7 +192,7 @@ def test_kv_heads_fewer_than_ranks_must_replicate_evenly():
 def test_the_async_engine_ends_streams_and_reports_dead_when_a_rank_dies(tiny_llama):
     import asyncio
 
-    from llmlab.engine.async_engine import AsyncEngine, EngineDeadError
+    from llmlab.entrypoints.async_engine import AsyncEngine, EngineDeadError
     from llmlab.engine.builder import EngineBuilder
 
     engine = EngineBuilder.from_settings(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmlab.engine.async_engine import AsyncEngine
+from llmlab.entrypoints.async_engine import AsyncEngine
 
 
 @pytest.fixture

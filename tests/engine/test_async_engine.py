@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from llmlab import LLM, SamplingParams
-from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from llmlab.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
 from llmlab.sampling.params import RequestOutputKind
 from tests.helpers import run

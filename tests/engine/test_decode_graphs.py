@@ -13,7 +13,7 @@ import torch
 
 from llmlab import LLM, SamplingParams
 from llmlab.attention.triton_backend import triton_unavailable_reason
-from llmlab.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from llmlab.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(

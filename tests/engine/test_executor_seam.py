@@ -9,7 +9,7 @@ import pytest
 from llmlab import EngineConfig, SamplingParams
 from llmlab.cache import KVCacheManager
 from llmlab.engine.engine import Engine
-from llmlab.engine.executor import Executor, VirtualClock
+from llmlab.runner.executor import Executor, VirtualClock
 from llmlab.scheduler import FCFS, BatchOutput, ScheduledBatch, Scheduler
 
 

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from llmlab import LLM, SamplingParams
-from llmlab.engine.async_engine import AsyncEngine
+from llmlab.entrypoints.async_engine import AsyncEngine
 from llmlab.errors import ComponentError, RequestFailedError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

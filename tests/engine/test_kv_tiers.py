@@ -15,7 +15,7 @@ from llmlab.cache import FIFOEviction
 from llmlab.cache.transfers import KVTransfer
 from llmlab.config import EngineConfig
 from llmlab.engine.builder import EngineBuilder
-from llmlab.engine.executor import VirtualClock
+from llmlab.runner.executor import VirtualClock
 from llmlab.scheduler.batch import ScheduledBatch, ScheduledRequest
 from tests.engine.test_swap import COMMON, assert_nothing_held, gib, run
 

@@ -262,7 +262,7 @@ def test_components_by_registered_name(tiny_llama):
 
 def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     """The CUDA profiling forward (run here on CPU with the CUDA calls stubbed)."""
-    from llmlab.engine import builder
+    from llmlab.runner import build
 
     engine = LLM(tiny_llama, device="cpu", max_model_len=48, max_num_batched_tokens=100).llm_engine
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -282,7 +282,7 @@ def test_profiling_pass_runs_the_peak_batch(tiny_llama, monkeypatch):
     def runner_for(caches, num_blocks):
         return attrs.evolve(engine.executor, kv_caches=caches, num_kv_blocks=num_blocks)
 
-    peak = builder._profile_peak_bytes(
+    peak = build._profile_peak_bytes(
         runner_for, engine.executor.attention, model.kv_layout, engine.config, 48, torch.float32,
         torch.device("cpu"),
     )

@@ -6,7 +6,7 @@ import pytest
 
 from llmlab import LLM, SamplingParams
 from llmlab.builtin import builtin_model_path
-from llmlab.engine.metrics_reader import Counter, Gauge, Vector
+from llmlab.observe.metrics_reader import Counter, Gauge, Vector
 
 # A story the built-in model wrote from "Once upon a time", then its opening again: it
 # retells the story, so n-gram drafts are mostly (not always) accepted.

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from llmlab import LLM, Policy, SamplingParams, register
-from llmlab.cli import main as cli_main
+from llmlab.entrypoints.cli import main as cli_main
 from tests.helpers import builtin_names
 
 SCHEDULING = builtin_names("scheduling_policy")
@@ -133,12 +133,12 @@ def test_unknown_policy_names_list_the_available_ones(tiny_llama):
 
 
 def test_a_policy_missing_a_method_fails_at_build_time(tiny_llama, monkeypatch):
-    from llmlab.engine import builder
+    from llmlab.runner import build
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the policy was checked")
 
-    monkeypatch.setattr(builder, "load_model", no_loading)
+    monkeypatch.setattr(build, "load_model", no_loading)
 
     class NoVictim:
         name = "no_victim"

@@ -259,7 +259,7 @@ def test_typed_dict_prompts_are_accepted_by_generate(llm):
 
 def test_engine_args_mirror_the_config(tiny_llama):
     from llmlab import EngineConfig
-    from llmlab.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from llmlab.entrypoints.arg_utils import AsyncEngineArgs, EngineArgs
 
     args = EngineArgs(model=tiny_llama, max_num_seqs=4, block_size=8)
     assert set(vars(args)) == {f.name for f in attrs.fields(EngineConfig)}
@@ -337,9 +337,9 @@ def test_async_engine_from_engine_args_and_int_request_id(tiny_llama):
 
 def _serve_settings(argv, monkeypatch):
     """What ``llmlab serve ARGV`` would build: (engine settings, build_app keywords)."""
-    import llmlab.server.app
-    from llmlab import cli
-    from llmlab.engine.async_engine import AsyncEngine
+    import llmlab.entrypoints.server.app
+    from llmlab.entrypoints import cli
+    from llmlab.entrypoints.async_engine import AsyncEngine
 
     seen = {}
 
@@ -355,7 +355,7 @@ def _serve_settings(argv, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(AsyncEngine, "from_settings", staticmethod(fake_engine))
-    monkeypatch.setattr(llmlab.server.app, "build_app", fake_app)
+    monkeypatch.setattr(llmlab.entrypoints.server.app, "build_app", fake_app)
     with pytest.raises(Stop):
         cli.main(["serve", *argv])
     return seen
@@ -411,7 +411,7 @@ def test_serve_config_file_with_command_line_winning(tiny_llama, tmp_path, monke
 
 
 def test_serve_config_file_errors_are_one_line(tmp_path, capsys):
-    from llmlab import cli
+    from llmlab.entrypoints import cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("max-num-seqz: 5\n")

@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 from llmlab import LLM
-from llmlab.engine.executor import VirtualClock
+from llmlab.runner.executor import VirtualClock
 from llmlab.experiments import (
     KEY_METRICS,
     Comparison,

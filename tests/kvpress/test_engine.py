@@ -390,7 +390,7 @@ def test_queries_kept_across_prefill_chunks_and_prefix_hits(tiny_llama, press):
 
 
 def test_the_command_line_takes_a_press_and_refuses_a_bad_one(tiny_llama, capsys):
-    from llmlab.cli import main
+    from llmlab.entrypoints.cli import main
 
     args = ["generate", "Hi there, how are you", "--model", tiny_llama, "--max-tokens", "4",
             "--dtype", "float32"]

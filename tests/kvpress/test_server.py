@@ -17,8 +17,8 @@ PRESS = dict(kv_press="knorm", kv_press_config={"compression_ratio": 0.5})
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
     from tests.server.conftest import running
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", seed=0, **PRESS)

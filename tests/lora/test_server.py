@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from llmlab import LLM, LoRARequest, SamplingParams
-from llmlab.server.lora import LoRAAdapters, LoRAModulePath, parse_lora_modules
+from llmlab.entrypoints.server.lora import LoRAAdapters, LoRAModulePath, parse_lora_modules
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -29,8 +29,8 @@ def paths(tiny_llama, adapter_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, paths):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
     from tests.server.conftest import running
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", seed=0, enable_lora=True,
@@ -173,8 +173,8 @@ def test_lora_modules_parse_both_forms():
 
 
 def test_lora_modules_need_enable_lora(tiny_llama, paths):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     try:

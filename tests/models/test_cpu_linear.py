@@ -69,9 +69,9 @@ def test_prepack_counts_every_projection_and_the_head(tiny_model_factory):
 def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="cpu_linear"):
         LLM(tiny_llama, device="cpu", cpu_linear="fast")
-    from llmlab.engine import builder
+    from llmlab.engine import assembly
 
-    monkeypatch.setattr(builder, "onednn_unavailable_reason", lambda: "no oneDNN here")
+    monkeypatch.setattr(assembly, "onednn_unavailable_reason", lambda: "no oneDNN here")
     with pytest.raises(ValueError, match="cpu_linear='onednn' cannot run: no oneDNN here"):
         LLM(tiny_llama, device="cpu", cpu_linear="onednn")
     # "auto" falls back to the plain path.
@@ -80,7 +80,7 @@ def test_cpu_linear_is_checked(tiny_llama, monkeypatch):
 
 
 def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
-    import llmlab.engine.builder as builder
+    import llmlab.engine.assembly as assembly
 
     def packed(llm):
         return _model(llm)._modules.get("packed_head") is not None
@@ -90,6 +90,6 @@ def test_auto_packs_float32_and_native_bfloat16(tiny_llama, monkeypatch):
     assert packed(LLM(tiny_llama, device="cpu", dtype="bfloat16")) == native
     assert not packed(LLM(tiny_llama, device="cpu", dtype="bfloat16", cpu_linear="plain"))
     # Without native bf16, "auto" leaves bfloat16 models on F.linear; "onednn" still packs.
-    monkeypatch.setattr(builder, "auto_packed_dtypes", lambda: (torch.float32,))
+    monkeypatch.setattr(assembly, "auto_packed_dtypes", lambda: (torch.float32,))
     assert not packed(LLM(tiny_llama, device="cpu", dtype="bfloat16"))
     assert packed(LLM(tiny_llama, device="cpu", dtype="bfloat16", cpu_linear="onednn"))

@@ -63,8 +63,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 def served(tiny_llama):
     """One server for the read-mostly tests: ``(base_url, app)`` serving ``tiny_llama`` as
     ``"tiny"`` (and ``"tiny-alias"``)."""
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", seed=0)
     app = build_app(engine, served_model_names=["tiny", "tiny-alias"], model_path=tiny_llama)

@@ -11,8 +11,8 @@ import threading
 import httpx
 import pytest
 
-from llmlab.server.admission import Admission, Weight
-from llmlab.server.errors import APIError
+from llmlab.entrypoints.server.admission import Admission, Weight
+from llmlab.entrypoints.server.errors import APIError
 from tests.server.conftest import running
 
 COMP = "/v1/completions"
@@ -82,7 +82,7 @@ def test_settle_replaces_the_estimate_and_refuses_growth_past_a_bound():
 def test_the_default_token_bound_scales_with_the_context():
     """A request without max_tokens weighs its whole context: with long contexts the
     default bound still admits an eighth of the sequence bound at full length."""
-    from llmlab.server.admission import default_max_tokens
+    from llmlab.entrypoints.server.admission import default_max_tokens
 
     assert default_max_tokens(4096, 512) == 4 * 2**20  # short contexts: the floor
     assert default_max_tokens(4096, 131072) == 4096 * 131072 // 8
@@ -125,8 +125,8 @@ def test_check_and_add_are_one_step_under_concurrent_admits():
 @pytest.fixture(scope="module")
 def bounded(tiny_llama):
     """A server holding at most 512 sequences and 4,000 tokens in flight."""
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", max_num_seqs=256)
     app = build_app(engine, served_model_names=["tiny"], max_queued_sequences=512,
@@ -348,8 +348,8 @@ def test_a_full_server_refuses_before_parsing_yet_the_client_reads_its_429(tiny_
     """While no request fits, the work routes answer 429 without parsing the body (a
     flood costs almost nothing), but they read it first: a client still sending a large
     body gets the 429, not a reset connection."""
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], max_queued_sequences=1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llmlab.cli import main
+from llmlab.entrypoints.cli import main
 from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 
@@ -188,7 +188,7 @@ def test_a_bad_speculative_config_is_one_error_line_and_exit_2(capsys, command, 
 def test_replica_deadline_flags_reach_the_engine_settings():
     """--replica-heartbeat-timeout-s / --replica-wedged-after-s (issue 39, item 7) become
     build_engine keywords; left out, the defaults apply (no keyword at all)."""
-    from llmlab.cli import _engine_settings, build_parser
+    from llmlab.entrypoints.cli import _engine_settings, build_parser
 
     args = build_parser().parse_args(["serve", "--replica-heartbeat-timeout-s", "2.5",
                                       "--replica-wedged-after-s", "30"])

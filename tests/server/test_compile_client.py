@@ -25,8 +25,8 @@ def clients_seen(grammars) -> list:
 
 
 def test_the_server_keys_grammar_compiles_by_the_peer_address(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"])

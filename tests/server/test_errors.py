@@ -119,8 +119,8 @@ def test_the_server_still_serves_after_bad_input(served):
 
 
 def test_api_key(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], api_key="s3cret")
@@ -155,8 +155,8 @@ def test_api_key(tiny_llama):
 
 
 def test_metrics_and_docs_can_be_opened_while_the_rest_keeps_the_key(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], api_key="s3cret", open_metrics=True,

@@ -15,8 +15,8 @@ from tests.server.conftest import running
 
 @pytest.fixture(scope="module")
 def fuzz_url(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", max_model_len=64,
                                        max_num_seqs=8)

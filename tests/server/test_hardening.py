@@ -42,8 +42,8 @@ def test_a_request_chat_template_is_refused_by_default(served):
 
 
 def test_a_trusted_template_is_bounded_in_size_and_time(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
@@ -164,8 +164,8 @@ def test_small_leaks_are_closed(served, tiny_llama):
     models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
     assert all(tiny_llama not in str(card) for card in models)  # no filesystem path
 
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], allowed_origins=["*"])
@@ -200,8 +200,8 @@ def test_a_grammar_that_compiles_too_long_is_refused_in_time(tiny_llama):
 def test_limits_refuse_oversized_requests_and_a_full_server_answers_429(tiny_llama):
     import asyncio
 
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], max_request_body_bytes=100_000,
@@ -250,8 +250,8 @@ def test_limits_refuse_oversized_requests_and_a_full_server_answers_429(tiny_lla
 def test_health_is_truthful_about_a_wedged_or_saturated_server(tiny_llama):
     import threading
 
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], max_queued_sequences=2)
@@ -311,8 +311,8 @@ def test_template_and_schema_bombs_do_not_hold_up_a_normal_request(tiny_llama):
     import threading
 
     pytest.importorskip("xgrammar")
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"])
@@ -360,8 +360,8 @@ def test_a_trusted_request_template_cannot_starve_the_server(tiny_llama):
     the timeout is ended (its worker terminated), not left running."""
     import threading
 
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
@@ -399,8 +399,8 @@ def test_a_trusted_request_template_cannot_starve_the_server(tiny_llama):
 
 @pytest.mark.slow
 def test_a_trusted_template_prints_no_memory_address(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)
@@ -417,7 +417,7 @@ def test_serve_keeps_idle_connections_longer_than_clients_do():
     """The probe saw requests fail on keep-alive connections reused just as uvicorn's 5 s
     idle timeout closed them (httpx keeps idle connections 5 s too); llmlab serve keeps
     them 65 s."""
-    from llmlab.cli import build_parser
+    from llmlab.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["serve"])
     assert args.timeout_keep_alive == 65.0

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from llmlab.server import protocol as p
+from llmlab.entrypoints.server import protocol as p
 
 SAMPLED = {"temperature": 0.8, "seed": 123, "n": 2}
 

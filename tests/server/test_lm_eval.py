@@ -19,8 +19,8 @@ PAIRS = [("The cat sat on the", " mat"), ("Once upon a time", " there was a fox"
 
 @pytest.fixture(scope="module")
 def url(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", seed=0)
     # "tiny" is not a hub name: lm-eval can only get the tokenizer from the server.

@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def fresh(tiny_llama):
     """A server of its own, so its counters start at zero."""
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", max_num_seqs=128)
     app = build_app(engine, served_model_names=["tiny"])

@@ -20,8 +20,8 @@ TEXTS = ["Once upon a time there was a little cat", "The dog ran fast.", "Tom an
 
 
 def _serve(path, name="tiny", **settings):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(path, dtype="float32", seed=0, runner="pooling",
                                        **settings)
@@ -186,8 +186,8 @@ def test_bad_embedding_requests_name_the_field(embedder, payload, status, param)
 
 
 def test_pooling_paths_are_behind_the_api_key(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", runner="pooling")
     app = build_app(engine, served_model_names=["tiny"], api_key="secret")

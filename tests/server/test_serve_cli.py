@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from llmlab.cli import main
+from llmlab.entrypoints.cli import main
 from tests.helpers import CLI_KV_FLAGS, subprocess_env
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llmlab.engine.events import StepEvent
-from llmlab.server.metrics import EngineMetrics
+from llmlab.observe.events import StepEvent
+from llmlab.entrypoints.server.metrics import EngineMetrics
 from tests.server.conftest import metric, running
 
 # A story the built-in model wrote, then its opening again: n-gram drafts get accepted.
@@ -58,8 +58,8 @@ def test_engine_metrics_spec_counters_are_zero_without_speculation():
 def test_a_speculating_server_answers_as_without_and_counts_its_drafts():
     from llmlab import LLM, SamplingParams
     from llmlab.builtin import builtin_model_path
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     model = str(builtin_model_path())
     expected = LLM(model).generate(

@@ -17,8 +17,8 @@ BOMB = ("{% set ns = namespace(n=0) %}{% for i in range(4000) %}{% for j in rang
 
 
 def test_plain_chats_do_not_wait_behind_request_template_bombs(tiny_llama):
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32")
     app = build_app(engine, served_model_names=["tiny"], trust_request_chat_template=True)

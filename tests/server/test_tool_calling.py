@@ -175,7 +175,7 @@ def test_tool_choice_excludes_other_constraints(served):
 
 
 def test_required_calls_stream_char_by_char():
-    from llmlab.server.tools import ToolMode, ToolStreamer, final_calls, final_message
+    from llmlab.entrypoints.server.tools import ToolMode, ToolStreamer, final_calls, final_message
 
     text = ('[{"name":"get_weather","parameters":{"city":"a}\\"[,"}},'
             '{"name":"forecast","parameters":{"days":3,"x":{"y":[1,{}]}}}]')
@@ -214,8 +214,8 @@ TRUNCATED = {
 
 
 def _mode(kind):
-    from llmlab.server.tool_parsers import HermesToolParser
-    from llmlab.server.tools import ToolMode
+    from llmlab.entrypoints.server.tool_parsers import HermesToolParser
+    from llmlab.entrypoints.server.tools import ToolMode
 
     return ToolMode(kind, name="get_weather" if kind == "named" else None, tools=TOOLS,
                     parser=HermesToolParser)
@@ -224,7 +224,7 @@ def _mode(kind):
 def _assembled(mode, text: str, step: int, reason: str):
     """What a client assembles from the stream of ``text`` in deltas of ``step``
     characters: (content, [(name, arguments)], finish_reason)."""
-    from llmlab.server.tools import ToolStreamer, finish_reason
+    from llmlab.entrypoints.server.tools import ToolStreamer, finish_reason
 
     streamer = ToolStreamer(mode)
     pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
@@ -242,7 +242,7 @@ def _assembled(mode, text: str, step: int, reason: str):
 
 def _whole(mode, text: str, reason: str):
     """The non-streamed answer in the same shape."""
-    from llmlab.server.tools import final_message, finish_reason
+    from llmlab.entrypoints.server.tools import final_message, finish_reason
 
     content, calls = final_message(mode, text)
     calls = [(c.function.name, c.function.arguments) for c in calls or []]
@@ -270,7 +270,7 @@ def test_a_cut_off_output_streams_what_the_full_answer_says(kind):
 
 
 def test_a_parser_that_decodes_a_lone_surrogate_cannot_break_the_response():
-    from llmlab.server.tools import ToolMode, ToolStreamer, final_message
+    from llmlab.entrypoints.server.tools import ToolMode, ToolStreamer, final_message
 
     class Decoding:
         """A user parser that hands back decoded JSON text (a lone surrogate)."""
@@ -305,7 +305,7 @@ HERMES_CALLS = [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
 @pytest.fixture(scope="module")
 def auto_url(served):
     """A second app on the session's engine, with auto tool choice and the hermes parser."""
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.server.app import build_app
     from tests.server.conftest import running
 
     app = build_app(served[1].state.engine, served_model_names=["tiny"], shutdown_engine=False,
@@ -402,8 +402,8 @@ def test_auto_without_a_call_is_plain_content(auto_url):
 
 def test_a_parser_registered_by_the_user_is_used_by_name(served):
     from llmlab import register
-    from llmlab.server.app import build_app
-    from llmlab.server.tool_parsers import HermesToolParser
+    from llmlab.entrypoints.server.app import build_app
+    from llmlab.entrypoints.server.tool_parsers import HermesToolParser
     from tests.server.conftest import running
 
     @register("tool_parser", "test_call_tags")
@@ -440,8 +440,8 @@ def test_a_parser_registered_by_the_user_is_used_by_name(served):
 
 
 def test_auto_tool_choice_settings_are_checked_when_the_app_is_built(served):
-    from llmlab.server.app import build_app
-    from llmlab.server.tool_parsers import HermesToolParser
+    from llmlab.entrypoints.server.app import build_app
+    from llmlab.entrypoints.server.tool_parsers import HermesToolParser
 
     engine = served[1].state.engine
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
@@ -498,7 +498,7 @@ def test_serve_flags_enable_auto_tool_choice(tiny_llama):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_serve_refuses_bad_tool_flags_before_loading_the_model(tmp_path, capsys, flags, message):
-    from llmlab.cli import main
+    from llmlab.entrypoints.cli import main
 
     assert main(["serve", str(tmp_path / "no-model"), *flags]) == 2
     err = capsys.readouterr().err

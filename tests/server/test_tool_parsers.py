@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmlab import registry
-from llmlab.server.tool_parsers import (
+from llmlab.entrypoints.server.tool_parsers import (
     CallDelta,
     HermesToolParser,
     ParsedCall,
@@ -77,7 +77,7 @@ def test_hermes_extract_and_every_streamed_split_agree(text, content, calls):
 def test_every_parsed_name_and_content_is_valid_unicode():
     """What the parser hands on can always be encoded (issue 39: a lone surrogate from a
     JSON escape answered 500)."""
-    from llmlab.server.tool_parsers import valid_text
+    from llmlab.entrypoints.server.tool_parsers import valid_text
 
     for text, _, _ in CASES:
         content, calls = HermesToolParser().extract(text, [])
@@ -106,7 +106,7 @@ def test_hermes_is_a_registered_component_that_keeps_its_contract():
     assert repr(registry.CONTRACTS["tool_parser"][0]) == (
         "extract(self, text, tools) -> tuple[str | None, list[ParsedCall]]")
     assert parser_factory("hermes") is HermesToolParser
-    assert parser_factory("llmlab.server.tool_parsers:HermesToolParser") is HermesToolParser
+    assert parser_factory("llmlab.entrypoints.server.tool_parsers:HermesToolParser") is HermesToolParser
 
 
 def test_a_parser_with_the_wrong_call_shape_is_refused():

@@ -171,8 +171,8 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(served):
 @pytest.fixture(scope="module")
 def custom(tiny_llama):
     """A server built with this module's ``build_app`` keywords (not their defaults)."""
-    from llmlab.engine.async_engine import AsyncEngine
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.entrypoints.server.app import build_app
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", seed=0)
     app = build_app(engine, served_model_names=["tiny"], model_path=tiny_llama, api_key=KEY,
@@ -277,7 +277,7 @@ def test_response_role_and_root_path(custom):
     assert spec["servers"] == [{"url": "/proxy"}]
     assert "/tokenizer_info" in spec["paths"]
     # the defaults: "assistant", no prefix
-    from llmlab.server.app import build_app
+    from llmlab.entrypoints.server.app import build_app
 
     with pytest.raises(ValueError, match="response_role"):
         build_app(custom[1].state.engine, response_role="")

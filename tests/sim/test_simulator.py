@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from llmlab import LLM, SamplingParams
-from llmlab.engine.executor import VirtualClock
+from llmlab.runner.executor import VirtualClock
 from llmlab.errors import ComponentError
 from llmlab.experiments import (
     Workload,
@@ -376,7 +376,7 @@ def test_compare_in_simulation_has_the_real_tables_columns(tiny_llama):
 
 
 def test_the_profiled_fit_reads_a_recording_file_as_it_reads_live_events(tiny_llama, tmp_path):
-    from llmlab.engine.recording import load
+    from llmlab.observe.recording import load
 
     engine = sim_engine(tiny_llama, cost_model=Fixed(), **ENGINE)
     path = tmp_path / "run.jsonl.gz"

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from llmlab.cache.kv_cache_manager import CacheSnapshot
-from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
-from llmlab.engine.recording import FORMAT, VERSION, event_to_json, snapshot_to_json
+from llmlab.observe.events import Arrival, EngineSnapshot, StepEvent
+from llmlab.observe.recording import FORMAT, VERSION, event_to_json, snapshot_to_json
 from llmlab.experiments.workloads import Workload, WorkloadRequest
 from llmlab.sim.traces import (
     FORMATS,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.speculative.stats import SpecDecodeStats, SpecTotals
 
 

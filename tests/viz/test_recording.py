@@ -8,7 +8,7 @@ import random
 import pytest
 
 from llmlab import LLM, SamplingParams
-from llmlab.engine.recording import event_from_json, event_to_json
+from llmlab.observe.recording import event_from_json, event_to_json
 from llmlab.viz import load
 
 
@@ -105,7 +105,7 @@ def test_a_killed_compressed_recording_loads_what_was_flushed(tiny_llama, tmp_pa
                                                                monkeypatch):
     """Each flush is a gzip sync point: whatever was flushed decompresses without the end
     of the stream, so a compressed recording cut anywhere loads every flushed event."""
-    from llmlab.engine import recording as module
+    from llmlab.observe import recording as module
 
     monkeypatch.setattr(module, "_FLUSH_EVERY_S", 0.0)  # flush after every event
     llm = LLM(tiny_llama, dtype="float32")
@@ -196,7 +196,7 @@ def test_kv_press_fields_round_trip(tiny_llama, tmp_path):
     ``kv_dropped`` as ints, and a snapshot taken mid-run keeps its ``kv_dropped``."""
     import attrs
 
-    from llmlab.engine.recording import snapshot_from_json, snapshot_to_json
+    from llmlab.observe.recording import snapshot_from_json, snapshot_to_json
     from llmlab.kvpress import kept_count
     from llmlab.kvpress.schedule import Compaction
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from llmlab.cache.kv_cache_manager import CacheSnapshot
-from llmlab.engine.events import EngineSnapshot, StepEvent
-from llmlab.engine.recording import Recording
+from llmlab.observe.events import EngineSnapshot, StepEvent
+from llmlab.observe.recording import Recording
 from llmlab.speculative.stats import SpecDecodeStats
 from llmlab.viz import SpeculationView
 from llmlab.viz.views.speculation import CONDITIONAL_TITLE, UNCONDITIONAL_TITLE

@@ -331,7 +331,7 @@ def test_policy_comparison_shows_the_table_and_each_configurations_run(tiny_llam
 def test_a_view_follows_an_async_engine_from_its_loop_thread(tiny_llama):
     import asyncio
 
-    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.entrypoints.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", block_size=4,
                                        num_gpu_blocks_override=48, max_model_len=128)

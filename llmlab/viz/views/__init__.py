@@ -2,7 +2,7 @@
 
 Every view is fed by step events only: attached to a live engine it starts from
 ``Engine.observe`` (a snapshot, then each event as it happens); given a
-:class:`~llmlab.engine.recording.Recording` it replays the same events with a slider and a
+:class:`~llmlab.observe.recording.Recording` it replays the same events with a slider and a
 play button. Redraws are throttled (at most every ``interval`` seconds, and at most a
 ``draw_budget`` share of the time) so watching costs the engine little; once events stop
 (the engine went idle or paused) a timer draws the newest state, so the last frame is

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from llmlab.engine.events import EngineSnapshot, StepEvent
-from llmlab.engine.recording import Recording, load
+from llmlab.observe.events import EngineSnapshot, StepEvent
+from llmlab.observe.recording import Recording, load
 
 # Request colors: matplotlib's tab20 without its grays (gray means "cached" here), dark
 # shades first so neighbouring requests differ clearly.

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from llmlab.engine.events import EngineSnapshot, StepEvent
+from llmlab.observe.events import EngineSnapshot, StepEvent
 from llmlab.viz.state import CACHED, EMPTY, SHARED, Frame, KVCacheState
 from llmlab.viz.views.base import (
     CACHED_COLOR,
@@ -36,7 +36,7 @@ class KVCacheView(_View):
 
     Args:
         source: an ``LLM``, ``Engine`` or ``AsyncEngine`` to watch live, or a
-            :class:`~llmlab.engine.recording.Recording` (or its path) to replay.
+            :class:`~llmlab.observe.recording.Recording` (or its path) to replay.
         max_cells: most cells to draw before aggregating.
         interval: least seconds between two redraws while the engine runs.
         cell_px: cell size in pixels (default: 18 for up to 128 cells, 14 up to 512, else 10).

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from llmlab.engine.events import EngineSnapshot, StepEvent
-from llmlab.engine.recording import Recording, load
+from llmlab.observe.events import EngineSnapshot, StepEvent
+from llmlab.observe.recording import Recording, load
 from llmlab.speculative.stats import SpecDecodeStats, SpecStep
 from llmlab.viz.views.base import _engine_of, _PlotView
 

@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 
-from llmlab.engine.events import EngineSnapshot, StepEvent
+from llmlab.observe.events import EngineSnapshot, StepEvent
 from llmlab.viz.state import SchedulerSeries
 from llmlab.viz.views.base import _PlotView
 

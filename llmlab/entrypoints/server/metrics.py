@@ -1,7 +1,7 @@
 """Prometheus metrics fed from the engine's step events (names mirror vLLM's, under ``llmlab:``).
 
 :class:`EngineMetrics` is an ordinary step observer: subscribe it to an engine and every
-:class:`~llmlab.engine.events.StepEvent` updates the gauges, counters and histograms; it
+:class:`~llmlab.observe.events.StepEvent` updates the gauges, counters and histograms; it
 never reads engine state. Latencies come from the event's clock readings and each request's
 arrival time (carried by the event that admits it), so they are in the engine's clock (the
 real one when serving).
@@ -26,7 +26,7 @@ import threading
 
 import attrs
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.speculative.stats import count_positions
 
 # Bucket bounds (seconds) as vLLM chose them, so dashboards built for vLLM read these too.

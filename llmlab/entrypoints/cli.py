@@ -81,7 +81,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     # Every other EngineConfig field, generated from it (vLLM's spellings: --enforce-eager,
     # --trust-remote-code, --max-logprobs, --[no-]enable-chunked-prefill,
     # --num-gpu-blocks-override, ...), so a new config field is a flag by itself.
-    from llmlab.engine.arg_utils import EngineArgs
+    from llmlab.entrypoints.arg_utils import EngineArgs
 
     EngineArgs.add_cli_args(parser, skip=("model",))
 
@@ -213,12 +213,12 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from llmlab.server.app import build_app
+        from llmlab.entrypoints.server.app import build_app
     except ImportError as err:
         print(f"error: llmlab serve needs fastapi and uvicorn ({err}); "
               "pip install fastapi uvicorn prometheus-client", file=sys.stderr)
         return 2
-    from llmlab.engine.async_engine import AsyncEngine
+    from llmlab.entrypoints.async_engine import AsyncEngine
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         print("error: give the model once (positionally or with --model)", file=sys.stderr)
@@ -340,7 +340,7 @@ def _tool_parser(args: argparse.Namespace):
                          "(`llmlab components tool_parser` lists them)")
     if args.tool_call_parser is None:
         return None
-    from llmlab.server.tool_parsers import parser_factory
+    from llmlab.entrypoints.server.tool_parsers import parser_factory
 
     return parser_factory(args.tool_call_parser)
 

@@ -1,4 +1,4 @@
-"""The model runner: the :class:`~llmlab.engine.executor.Executor` that runs a real model.
+"""The model runner: the :class:`~llmlab.runner.executor.Executor` that runs a real model.
 
 It turns a :class:`~llmlab.scheduler.batch.ScheduledBatch` into tensors, runs the model and
 samples; everything it needs comes in the batch (rows, token spans, block-table changes,
@@ -65,7 +65,7 @@ class ModelRunner:
             so no request can ask).
         attention_state: the backend's per-engine state (``create_state``), or None.
         decode_graphs: replays pure decode steps through CUDA graphs
-            (:class:`~llmlab.engine.cuda_graphs.DecodeGraphs`), or None (eager).
+            (:class:`~llmlab.runner.cuda_graphs.DecodeGraphs`), or None (eager).
     """
 
     model: torch.nn.Module
@@ -80,7 +80,7 @@ class ModelRunner:
     max_model_len: int | None = None
     grammars: GrammarFactory | None = None
     attention_state: Any = attrs.field(init=False, default=None)
-    # Set by the builder on CUDA unless enforce_eager (llmlab.engine.cuda_graphs).
+    # Set by the builder on CUDA unless enforce_eager (llmlab.runner.cuda_graphs).
     decode_graphs: Any = attrs.field(init=False, default=None)
     # Set by the builder when the CPU thread count is automatic (llmlab.threads.ThreadGovernor):
     # ticked before each step, it follows how many other tasks compete for the cores.
@@ -88,7 +88,7 @@ class ModelRunner:
     # Set by the builder when speculative decoding is on (llmlab.speculative.Speculator):
     # drafts for entries with a lookahead, verified after the forward pass.
     speculator: Any = attrs.field(init=False, default=None)
-    # Set by the builder for runner="pooling" (llmlab.engine.pooling_rows.PoolingRows):
+    # Set by the builder for runner="pooling" (llmlab.runner.pooling_rows.PoolingRows):
     # pooling rows' hidden states across prefill chunks, pooled when a prompt ends.
     pooling: Any = attrs.field(init=False, default=None)
     # Set by the builder with swap preemption or the KV offload tier

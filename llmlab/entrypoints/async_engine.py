@@ -219,7 +219,7 @@ class AsyncEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncEngine:
         """vLLM's ``AsyncLLMEngine.from_engine_args``: the engine an
-        :class:`~llmlab.engine.arg_utils.AsyncEngineArgs` (or ``EngineArgs``) describes;
+        :class:`~llmlab.entrypoints.arg_utils.AsyncEngineArgs` (or ``EngineArgs``) describes;
         ``kwargs`` are ``LLM``'s component keywords (``scheduling_policy``, ``router``, ...)."""
         settings = engine_args.config_kwargs()
         return cls.from_settings(settings.pop("model"), settings.pop("tokenizer"),

@@ -23,13 +23,13 @@ from typing import Any
 
 import attrs
 
-from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from llmlab.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from llmlab.engine.inputs import CHARS_PER_TOKEN, check_prompt_text, render_chat
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
-from llmlab.server import protocol as p
-from llmlab.server.admission import Admission, Ticket, Weight
-from llmlab.server.errors import APIError, bad_request
-from llmlab.server.request_params import (
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.admission import Admission, Ticket, Weight
+from llmlab.entrypoints.server.errors import APIError, bad_request
+from llmlab.entrypoints.server.request_params import (
     _default,
     _fields,
     _logit_bias,
@@ -37,9 +37,9 @@ from llmlab.server.request_params import (
     _structured,
     _unsupported,
 )
-from llmlab.server.responses import _ChatRun, _CompletionRun, _until_disconnected
-from llmlab.server.templates import TemplateProcesses, TemplateTimeout
-from llmlab.server.tools import check_tools, template_tools, tool_constraint
+from llmlab.entrypoints.server.responses import _ChatRun, _CompletionRun, _until_disconnected
+from llmlab.entrypoints.server.templates import TemplateProcesses, TemplateTimeout
+from llmlab.entrypoints.server.tools import check_tools, template_tools, tool_constraint
 from llmlab.validation import check_encodable
 
 # _params' structured-output default: the request's own constraint.
@@ -66,7 +66,7 @@ class OpenAIServing:
         template_timeout_s: the longest a chat template may take to render. The server's
             own template renders on ``own_template_workers`` threads of its own; a
             request's own template (``trust_request_chat_template``) in one of
-            ``template_workers`` worker processes (:mod:`llmlab.server.templates`), ended
+            ``template_workers`` worker processes (:mod:`llmlab.entrypoints.server.templates`), ended
             when it runs past its time, waited for on as many threads of their own. So the
             server's template never waits behind a request's (a template bomb holds only
             the request-template pool), and neither holds the engine loop or the threads
@@ -74,14 +74,14 @@ class OpenAIServing:
         max_prompts_per_request / max_sequences_per_request: the most prompts in one
             request, and prompts x ``max(n, best_of)`` (400 beyond them).
         admission: the bounds on work in flight (sequences and tokens, queued or
-            running; :mod:`llmlab.server.admission`): a request that would pass one is
+            running; :mod:`llmlab.entrypoints.server.admission`): a request that would pass one is
             answered 429 with ``Retry-After`` at once, before any of it is tokenized.
         return_tokens_as_token_ids: the default of the request field: logprob tokens as
             ``"token_id:{id}"`` (vLLM's format).
         response_role: the role of chat responses (with ``add_generation_prompt=false``,
             the last message's role, as in vLLM).
         tool_parser: makes a tool-call parser per choice for ``tool_choice="auto"`` (None:
-            auto is a 400; see :mod:`llmlab.server.tool_parsers`).
+            auto is a 400; see :mod:`llmlab.entrypoints.server.tool_parsers`).
     """
 
     engine: AsyncEngine
@@ -98,7 +98,7 @@ class OpenAIServing:
     return_tokens_as_token_ids: bool = False
     response_role: str = "assistant"
     tool_parser: Callable[[], Any] | None = None
-    # The LoRA adapters served by name (llmlab.server.lora.LoRAAdapters), or None.
+    # The LoRA adapters served by name (llmlab.entrypoints.server.lora.LoRAAdapters), or None.
     lora: Any = None
     _templates: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _request_templates: concurrent.futures.ThreadPoolExecutor = attrs.field(
@@ -148,7 +148,7 @@ class OpenAIServing:
     def _check_capacity(self, request, num_prompts: int, max_tokens: int | None = None,
                         known_prompt_tokens: int = 0) -> Ticket:
         """The request's size against the per-request limits, then its room in the
-        server: a :class:`~llmlab.server.admission.Ticket` for the work it reserves
+        server: a :class:`~llmlab.entrypoints.server.admission.Ticket` for the work it reserves
         (an estimate until :meth:`_settle`), or a 429."""
         if num_prompts > self.max_prompts_per_request:
             raise APIError(
@@ -200,7 +200,7 @@ class OpenAIServing:
 
     async def completions(self, request: p.CompletionRequest, disconnected=None,
                           client: str | None = None):
-        """A :class:`~llmlab.server.protocol.CompletionResponse`, or an async iterator of
+        """A :class:`~llmlab.entrypoints.server.protocol.CompletionResponse`, or an async iterator of
         SSE lines when ``stream`` is set. ``client``: the peer's address (grammar compiles
         queue fairly per client)."""
         model = self.check_model(request.model)

@@ -1,12 +1,12 @@
 """The OpenAI-compatible FastAPI app (``llmlab serve`` runs it under uvicorn).
 
-:func:`build_app` wraps an :class:`~llmlab.engine.async_engine.AsyncEngine`. Routes:
+:func:`build_app` wraps an :class:`~llmlab.entrypoints.async_engine.AsyncEngine`. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
 with ``stream``), ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (with
 ``enable_tokenizer_info_endpoint``), ``GET /health``, ``GET /version``, ``GET /metrics``
 (Prometheus); for a pooling engine (``--runner pooling``) ``POST /v1/embeddings``,
-``/pooling``, ``/score``, ``/rerank`` (:mod:`llmlab.server.pooling`, its own router);
-``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (:mod:`llmlab.server.lora`).
+``/pooling``, ``/score``, ``/rerank`` (:mod:`llmlab.entrypoints.server.pooling`, its own router);
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (:mod:`llmlab.entrypoints.server.lora`).
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input (malformed JSON and wrong types included: FastAPI's 422 is turned into 400), 401
@@ -44,18 +44,18 @@ from llmlab.distributed.data_parallel import (
     ReplicaFailedError,
     ReplicasDeadError,
 )
-from llmlab.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from llmlab.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineError
 from llmlab.errors import RequestFailedError
-from llmlab.server import protocol as p
-from llmlab.server.admission import RETRY_AFTER_S, Admission, busy, default_max_tokens
-from llmlab.server.errors import APIError, ClientDisconnected, bad_request
-from llmlab.server.lora import router as lora_router
-from llmlab.server.lora import serve_lora_modules
-from llmlab.server.metrics import DataParallelMetrics, EngineMetrics
-from llmlab.server.pooling import KEYED_PATHS as _POOLING_PATHS
-from llmlab.server.pooling import refuse_generation
-from llmlab.server.pooling import router as pooling_router
-from llmlab.server.serving import OpenAIServing
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.admission import RETRY_AFTER_S, Admission, busy, default_max_tokens
+from llmlab.entrypoints.server.errors import APIError, ClientDisconnected, bad_request
+from llmlab.entrypoints.server.lora import router as lora_router
+from llmlab.entrypoints.server.lora import serve_lora_modules
+from llmlab.entrypoints.server.metrics import DataParallelMetrics, EngineMetrics
+from llmlab.entrypoints.server.pooling import KEYED_PATHS as _POOLING_PATHS
+from llmlab.entrypoints.server.pooling import refuse_generation
+from llmlab.entrypoints.server.pooling import router as pooling_router
+from llmlab.entrypoints.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +106,9 @@ def build_app(
     get a 413 before they are read. ``max_prompts_per_request``,
     ``max_sequences_per_request`` (prompts x n): see :class:`OpenAIServing`.
     ``max_queued_sequences`` and ``max_queued_tokens`` (prompt + ``max_tokens`` per
-    sequence; None: :func:`~llmlab.server.admission.default_max_tokens`): the work in
+    sequence; None: :func:`~llmlab.entrypoints.server.admission.default_max_tokens`): the work in
     flight, queued or running; a request that would pass either gets a 429 with
-    ``Retry-After`` at once (:mod:`llmlab.server.admission`).
+    ``Retry-After`` at once (:mod:`llmlab.entrypoints.server.admission`).
     ``allowed_origins``: CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
     ``return_tokens_as_token_ids``: the default of the request field of that name (vLLM's
@@ -122,10 +122,10 @@ def build_app(
     ``enable_auto_tool_choice`` and ``tool_call_parser`` (vLLM's flags): ``tool_choice="auto"``
     (the default with tools), whose calls the parser finds in the model's text; the parser
     is a registered ``tool_parser`` name (``"hermes"``), a ``"module:Class"`` path or a
-    class, checked here (:mod:`llmlab.server.tool_parsers`). Without them "auto" is a 400.
+    class, checked here (:mod:`llmlab.entrypoints.server.tool_parsers`). Without them "auto" is a 400.
     ``lora_modules``: LoRA adapters to serve by name (``"name=path"``, vLLM's JSON form, or
-    :class:`~llmlab.server.lora.LoRAModulePath`); they and ``/v1/load_lora_adapter`` need
-    an engine with ``enable_lora`` (:mod:`llmlab.server.lora`).
+    :class:`~llmlab.entrypoints.server.lora.LoRAModulePath`); they and ``/v1/load_lora_adapter`` need
+    an engine with ``enable_lora`` (:mod:`llmlab.entrypoints.server.lora`).
     """
     names = list(served_model_names)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -134,7 +134,7 @@ def build_app(
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     parser = None
     if tool_call_parser is not None:
-        from llmlab.server.tool_parsers import parser_factory
+        from llmlab.entrypoints.server.tool_parsers import parser_factory
 
         parser = parser_factory(tool_call_parser)
     if enable_auto_tool_choice and parser is None:
@@ -217,7 +217,7 @@ def build_app(
     # the body is even read, so a bad key is a 401 whatever the body holds).
     app.include_router(v1, dependencies=[Depends(_bearer)] if api_key else [])
     app.include_router(router)
-    # /v1/embeddings, /pooling, /score, /rerank (llmlab.server.pooling): a 400 on a
+    # /v1/embeddings, /pooling, /score, /rerank (llmlab.entrypoints.server.pooling): a 400 on a
     # generating engine, as vLLM answers.
     app.include_router(pooling_router)
     app.include_router(lora_router, dependencies=[Depends(_bearer)] if api_key else [])

@@ -17,7 +17,7 @@ still serves streamed requests: its content and calls come with the last chunk.
 A parser for another tag pair, registered by name::
 
     from llmlab import register
-    from llmlab.server.tool_parsers import HermesToolParser
+    from llmlab.entrypoints.server.tool_parsers import HermesToolParser
 
     @register("tool_parser", "functionary_tags")
     class FunctionTags(HermesToolParser):

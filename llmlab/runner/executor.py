@@ -2,7 +2,7 @@
 
 The engine drives an :class:`Executor` with one :class:`~llmlab.scheduler.batch.ScheduledBatch`
 per step and reads time from a clock; it never touches tensors itself. The
-:class:`~llmlab.engine.model_runner.ModelRunner` is the executor that runs a real model. A
+:class:`~llmlab.runner.model_runner.ModelRunner` is the executor that runs a real model. A
 cost-model executor advancing a :class:`VirtualClock` can drive the very same scheduler and
 KV cache manager, unchanged, to study policies at scale.
 """

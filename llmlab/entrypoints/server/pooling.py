@@ -27,13 +27,13 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmlab.engine.async_engine import EngineDeadError, EngineError
+from llmlab.entrypoints.async_engine import EngineDeadError, EngineError
 from llmlab.engine.inputs import check_prompt_text
 from llmlab.errors import RequestFailedError
 from llmlab.pooling_params import PoolingParams
-from llmlab.server import protocol as p
-from llmlab.server.admission import Weight
-from llmlab.server.errors import APIError, bad_request
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.admission import Weight
+from llmlab.entrypoints.server.errors import APIError, bad_request
 
 Int = p.Int
 Str = p.Str

@@ -9,7 +9,7 @@ bound between a check and an add. A request that does not fit is answered 429 wi
 engine loop (whose lock a busy step may hold).
 
 What was reserved is given back as each engine request's stream ends (finished, failed or
-aborted; :meth:`~llmlab.engine.async_engine.RequestStream.add_done_callback`), or at once
+aborted; :meth:`~llmlab.entrypoints.async_engine.RequestStream.add_done_callback`), or at once
 for whatever never reached the engine. Prompt tokens are not known before tokenizing, so
 the first reservation uses an estimate and :meth:`Ticket.settle` replaces it with the exact
 weight per prompt (a 429 then if the exact weight no longer fits).
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from llmlab.server.errors import APIError
+from llmlab.entrypoints.server.errors import APIError
 
 # Retry-After on a 429: a bound frees as requests finish, typically within a second or two.
 RETRY_AFTER_S = 1
@@ -161,7 +161,7 @@ class Ticket:
 
     def attach(self, stream, index: int) -> None:
         """Prompt ``index``'s part now ends with ``stream`` (a
-        :class:`~llmlab.engine.async_engine.RequestStream`)."""
+        :class:`~llmlab.entrypoints.async_engine.RequestStream`)."""
         with self._lock:
             self._attached.add(index)
         stream.add_done_callback(lambda: self._release_part(index))

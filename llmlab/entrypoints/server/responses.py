@@ -20,17 +20,17 @@ import attrs
 import orjson
 
 from llmlab.distributed.data_parallel import ReplicaFailedError, ReplicasDeadError
-from llmlab.engine.async_engine import EngineDeadError, EngineError, RequestStream
+from llmlab.entrypoints.async_engine import EngineDeadError, EngineError, RequestStream
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError
-from llmlab.server import protocol as p
-from llmlab.server.errors import APIError, ClientDisconnected
-from llmlab.server.logprobs import _chat_logprobs, _LogprobText, _prompt_logprobs
-from llmlab.server.request_params import _default
-from llmlab.server.tools import ToolMode, ToolStreamer, final_message, finish_reason
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.errors import APIError, ClientDisconnected
+from llmlab.entrypoints.server.logprobs import _chat_logprobs, _LogprobText, _prompt_logprobs
+from llmlab.entrypoints.server.request_params import _default
+from llmlab.entrypoints.server.tools import ToolMode, ToolStreamer, final_message, finish_reason
 
 if TYPE_CHECKING:
-    from llmlab.server.serving import OpenAIServing, _Prompt
+    from llmlab.entrypoints.server.serving import OpenAIServing, _Prompt
 
 logger = logging.getLogger(__name__)
 

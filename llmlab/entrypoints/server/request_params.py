@@ -1,5 +1,5 @@
 """Request fields as engine arguments: the checks and conversions
-:meth:`~llmlab.server.serving.OpenAIServing._params` and its callers share (chat content
+:meth:`~llmlab.entrypoints.server.serving.OpenAIServing._params` and its callers share (chat content
 parts, ``logit_bias``, the structured-output spellings, unsupported fields)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from llmlab.sampling.params import StructuredOutputsParams
-from llmlab.server import protocol as p
-from llmlab.server.errors import APIError
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.errors import APIError
 from llmlab.validation import MAX_JSON_DEPTH, check_encodable, check_json
 
 

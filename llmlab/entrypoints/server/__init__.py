@@ -4,4 +4,4 @@ engine), ``responses.py`` and ``logprobs.py`` (engine outputs into responses and
 streams), ``request_params.py`` (request fields as engine arguments), ``errors.py``
 (:class:`APIError`), ``protocol.py`` (the pydantic request and response models) and
 ``metrics.py`` (Prometheus metrics from the engine's step events). The command line is
-``llmlab/cli.py``; the load-test client is ``llmlab/loadtest/``."""
+``llmlab/entrypoints/cli.py``; the load-test client is ``llmlab/loadtest/``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from llmlab.server import protocol as p
+from llmlab.entrypoints.server import protocol as p
 
 
 class APIError(Exception):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmlab.engine.events import StepEvent
+from llmlab.observe.events import StepEvent
 from llmlab.speculative.stats import SpecDecodeStats
 
 # Reasons vLLM always reports (at zero until seen), so a reader can look them up.

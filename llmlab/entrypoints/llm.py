@@ -17,7 +17,7 @@ import torch
 from llmlab.distributed.data_parallel import DataParallelEngine, build_engine
 from llmlab.engine.engine import Engine
 from llmlab.engine.inputs import PromptType, render_chat
-from llmlab.engine.metrics_reader import EngineCounters, Metric, collect
+from llmlab.observe.metrics_reader import EngineCounters, Metric, collect
 from llmlab.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -112,7 +112,7 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's ``LLM.get_metrics()``: counters since this ``LLM`` was made, and gauges of
-        the latest step (names and records: :mod:`llmlab.engine.metrics_reader`). Needs
+        the latest step (names and records: :mod:`llmlab.observe.metrics_reader`). Needs
         ``disable_log_stats=False``, as vLLM's does."""
         config = self.llm_engine.config
         if self._counters is None or self.spec_decode_stats is None:

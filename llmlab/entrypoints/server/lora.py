@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmlab.lora.adapter import AdapterNotFoundError
 from llmlab.lora.request import LoRARequest, check_lora_name
-from llmlab.server import protocol as p
-from llmlab.server.errors import APIError
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.errors import APIError
 
 Str = Annotated[str, Field(strict=True)]
 

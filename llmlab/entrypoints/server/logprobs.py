@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from llmlab.server import protocol as p
+from llmlab.entrypoints.server import protocol as p
 
 # JSON has no -inf: a token with probability 0 is reported with this logprob (as vLLM does).
 _MIN_LOGPROB = -9999.0

@@ -8,7 +8,7 @@ may write:
 * ``"none"``: nothing changes (the tools are still shown to the template, as vLLM does by
   default); the answer is plain content.
 * ``"auto"`` (the default with tools, as in vLLM): the model writes freely and the server's
-  tool-call parser (a ``tool_parser`` component, :mod:`llmlab.server.tool_parsers`) finds
+  tool-call parser (a ``tool_parser`` component, :mod:`llmlab.entrypoints.server.tool_parsers`) finds
   the calls in its text; the rest is content. Only with ``--enable-auto-tool-choice
   --tool-call-parser NAME`` (``build_app(enable_auto_tool_choice=True,
   tool_call_parser=...)``); without them a 400 naming the flags. ``finish_reason`` is
@@ -32,7 +32,7 @@ non-streamed ``arguments``. With ``"auto"`` the content streams as content until
 starts (the parser holds back what may be the start of one, such as half a tag). The
 non-streamed answer is what the stream adds up to, wherever the output was cut; text no
 response can carry (a lone surrogate, from a parser's JSON escape) is made valid
-(:func:`~llmlab.server.tool_parsers.valid_text`) on both paths.
+(:func:`~llmlab.entrypoints.server.tool_parsers.valid_text`) on both paths.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from typing import Any
 import attrs
 
 from llmlab.sampling.params import StructuredOutputsParams
-from llmlab.server import protocol as p
-from llmlab.server.errors import APIError
-from llmlab.server.tool_parsers import CallDelta, ParsedCall, ToolParser, valid_text
+from llmlab.entrypoints.server import protocol as p
+from llmlab.entrypoints.server.errors import APIError
+from llmlab.entrypoints.server.tool_parsers import CallDelta, ParsedCall, ToolParser, valid_text
 from llmlab.validation import check_json, json_field
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -4,8 +4,8 @@ A recording is one JSON object per line:
 
 * line 1, the header: ``{"format": "llmlab.recording", "version": 1, "config": {...},
   "components": {...}, "snapshot": {...}}``: the engine's settings, its policies by name,
-  and the :class:`~llmlab.engine.events.EngineSnapshot` the recording starts from;
-* one line per :class:`~llmlab.engine.events.StepEvent`, ``{"step": {...}}``: request
+  and the :class:`~llmlab.observe.events.EngineSnapshot` the recording starts from;
+* one line per :class:`~llmlab.observe.events.StepEvent`, ``{"step": {...}}``: request
   arrivals (prompt length, ``max_tokens``, priority, user) ride in ``arrived``;
 * the footer, written by :meth:`Recorder.close`: ``{"end": {"steps": N}}``.
 
@@ -37,7 +37,7 @@ import attrs
 import numpy as np
 
 from llmlab.cache.kv_cache_manager import CacheSnapshot
-from llmlab.engine.events import Arrival, EngineSnapshot, StepEvent
+from llmlab.observe.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.kvpress.schedule import Compaction
 from llmlab.scheduler.batch import Admission
 

@@ -1,0 +1,1 @@
+"""Entry points: ``LLM``, the async engine, engine args, the OpenAI server and the CLI."""

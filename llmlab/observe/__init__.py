@@ -1,0 +1,1 @@
+"""Observation: step events and snapshots, recording them, vLLM-style metrics from them."""
