@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "pooler": "llmlab.pooling.pooler",
     "tool_parser": "llmlab.entrypoints.server.tool_parsers",
     "kv_press": "llmlab.kvpress",
+    "plugin": "llmlab.plugin",
 }
 """Each kind, and the module whose import registers its built-ins."""
 
@@ -107,6 +108,9 @@ CONTRACTS: dict[str, tuple[Method, ...]] = {
     "kv_press": (
         Method("score", ("layer",), returns="Tensor"),
     ),
+    # A feature plugin subclasses llmlab.plugin.SchedulerPlugin or RunnerPlugin, whose
+    # hooks all have defaults: the builder checks the base class instead.
+    "plugin": (),
     "model": (
         Method("forward", ("input_ids", "positions", "attn"), returns="Tensor"),
         Method("compute_logits", ("hidden",), returns="Tensor"),

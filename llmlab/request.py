@@ -110,18 +110,12 @@ class Request:
     # across adapters (None: the base model's root).
     lora_request: Any = None
     hash_salt: int | None = None
-    # KV press state (llmlab.kvpress), set by the scheduler. ``kv_keep``: the fraction of
-    # its context the request keeps (None: no press). Once compacted, ``kv_dropped``
-    # positions are no longer cached (in the layer that keeps most; ``kv_layer_shift``
-    # says how many fewer each layer holds, or None), its blocks never enter the prefix
-    # index, and ``kv_compacted_at`` is the context length at the last compaction.
-    # ``kv_press_error``: why the press failed for it (it then stays uncompressed).
-    kv_keep: float | None = None
+    # KV accounting when a feature rewrote its KV (a KV press compacting it; the feature
+    # keeps its own state): ``kv_dropped`` positions are no longer cached (the cache holds
+    # ``num_cached_kv`` slots), and ``kv_compressed`` blocks are not a prefix of its tokens,
+    # so they never enter the prefix index. Reset when it is recomputed after preemption.
     kv_dropped: int = 0
-    kv_layer_shift: tuple[int, ...] | None = None
     kv_compressed: bool = False
-    kv_compacted_at: int = 0
-    kv_press_error: str | None = None
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property
@@ -140,13 +134,6 @@ class Request:
         """Tokens the KV cache holds for it (``num_computed_tokens`` less what a KV press
         dropped): where its next token's KV is written."""
         return self.num_computed_tokens - self.kv_dropped
-
-    def reset_kv_press(self) -> None:
-        """Back to uncompressed (its KV is recomputed from scratch after a preemption)."""
-        self.kv_dropped = 0
-        self.kv_layer_shift = None
-        self.kv_compressed = False
-        self.kv_compacted_at = 0
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -26,8 +27,10 @@ from llmlab.config import EngineConfig
 from llmlab.kernels.cpu_linear import auto_packed_dtypes, onednn_unavailable_reason
 from llmlab.kvpress.schedule import PressSchedule
 from llmlab.lora.attach import check_lora_settings
+from llmlab.lora.schedule import LoRASchedule
 from llmlab.models.loader import max_model_len_from_config, resolve_dtype, resolve_model_path
 from llmlab.models.registry import get_model_class
+from llmlab.plugin import RunnerPlugin, SchedulerPlugin
 from llmlab.quantization.loading import resolve_quantization
 from llmlab.runner.build import (
     BuildPlan,
@@ -37,6 +40,7 @@ from llmlab.runner.build import (
     resolve_device,
 )
 from llmlab.runner.host_kv import check_host_kv_settings, host_pools
+from llmlab.runner.pooling_rows import PoolingSchedule
 from llmlab.runner.pooling_setup import pooling_spec
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
@@ -58,9 +62,13 @@ def assemble(
     attention_backend: Any = None,
     sampler: Any = None,
     offload_eviction_policy: Any = None,
+    plugins: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """The keyword arguments of the ``Engine`` that ``config`` and the components describe
     (each an instance, a registered name or ``"module:Class"``; None: the default).
+    ``plugins``: feature plugins (:mod:`llmlab.plugin`; instances, registered names or
+    ``"module:Class"``): their scheduler sides join the scheduler's, their runner sides
+    every rank's runner.
 
     Loads the model and allocates the KV cache (starting tensor-parallel workers where the
     config asks for them); raises ``ValueError`` / ``TypeError`` for a bad setting or
@@ -81,7 +89,9 @@ def assemble(
         if offload_eviction_policy is None else offload_eviction_policy
     ))
     as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
+    extra = [plugin_of(p) for p in plugins]
     plan = plan_engine(cfg, attention_backend, sampler)
+    plan = attrs.evolve(plan, plugins=tuple(p for p in extra if isinstance(p, RunnerPlugin)))
     workers = None
     tp = None
     if plan.config.tensor_parallel_size > 1:
@@ -97,12 +107,16 @@ def assemble(
             workers.shutdown()
         raise
     cfg = plan.config
+    scheduling: list[SchedulerPlugin] = []
+    if plan.pooling is not None:
+        scheduling.append(PoolingSchedule())
+    if plan.press is not None:
+        scheduling.append(PressSchedule(plan.press, len(rank.runner.kv_caches)))
+    scheduling.extend(p for p in extra if isinstance(p, SchedulerPlugin))
     scheduler = scheduler_for(
         cfg, rank.num_blocks, plan.max_model_len, policy, eviction,
-        **host_pools(rank.runner.host_kv, offload_eviction),
+        **host_pools(rank.runner.host_kv, offload_eviction), plugins=scheduling,
     )
-    if rank.runner.press is not None:
-        scheduler.press = PressSchedule(plan.press, len(rank.runner.kv_caches))
     executor = rank.runner
     if workers is not None:
         from llmlab.distributed.tp_executor import TensorParallelExecutor
@@ -119,6 +133,19 @@ def assemble(
         pooling=plan.pooling,
         lora=None if rank.lora is None else rank.lora.store,
     )
+
+
+def plugin_of(value: Any) -> SchedulerPlugin | RunnerPlugin:
+    """A feature plugin from an instance, a registered name or ``"module:Class"``;
+    ``TypeError`` for anything that is neither side of a plugin."""
+    plugin = registry.create("plugin", value) if isinstance(value, str) else value
+    if not isinstance(plugin, (SchedulerPlugin, RunnerPlugin)):
+        raise TypeError(
+            f"plugin {value!r} must be a llmlab.plugin.SchedulerPlugin or RunnerPlugin "
+            f"instance, a registered plugin name or 'module:Class'; got "
+            f"{type(plugin).__name__}"
+        )
+    return plugin
 
 
 def engine_fields(cfg: EngineConfig, scheduler: Scheduler, executor: Any, length: Any,
@@ -255,9 +282,13 @@ def scheduler_for(
     eviction: EvictionPolicy | None,
     swap: Any = None,
     tier: Any = None,
+    plugins: Sequence[SchedulerPlugin] = (),
 ) -> Scheduler:
     """The KV cache manager and scheduler an engine of ``cfg`` runs (real or simulated);
-    ``swap`` / ``tier``: its host pools' bookkeeping (``llmlab.cache.host_pools``)."""
+    ``swap`` / ``tier``: its host pools' bookkeeping (``llmlab.cache.host_pools``);
+    ``plugins``: features' scheduler sides (LoRA's, from the config, is added here)."""
+    if cfg.enable_lora:
+        plugins = (LoRASchedule(cfg.max_loras), *plugins)
     kv = KVCacheManager(
         num_blocks=num_blocks,
         block_size=cfg.block_size,
@@ -273,7 +304,7 @@ def scheduler_for(
         max_model_len=max_model_len,
         policy=policy or FCFS(),
         chunked_prefill=cfg.enable_chunked_prefill is not False,
-        max_loras=cfg.max_loras if cfg.enable_lora else None,
+        plugins=tuple(plugins),
         preemption_mode=cfg.preemption_mode or "recompute",
     )
 

@@ -42,6 +42,8 @@ class EngineBuilder:
     sampler: Sampler | str | None = None
     # The KV offload tier's eviction policy (kv_offloading_size); None: the config's name.
     offload_eviction_policy: EvictionPolicy | str | None = None
+    # Feature plugins (llmlab.plugin): instances, registered names or "module:Class".
+    plugins: tuple[Any, ...] = ()
 
     @classmethod
     def from_settings(
@@ -53,6 +55,7 @@ class EngineBuilder:
         eviction_policy: Any = None,
         attention_backend: Any = None,
         sampler: Any = None,
+        plugins: Any = (),
         **settings: Any,
     ) -> EngineBuilder:
         """A builder from ``LLM``'s arguments: the components, and ``EngineConfig`` fields as
@@ -65,7 +68,7 @@ class EngineBuilder:
         if unknown:
             raise ValueError(
                 f"unknown LLM argument(s) {unknown}; allowed: {', '.join(CONFIG_FIELDS)}, "
-                "scheduling_policy, eviction_policy, attention_backend, sampler"
+                "scheduling_policy, eviction_policy, attention_backend, sampler, plugins"
             )
         return cls(
             EngineConfig(model=model, tokenizer=tokenizer, **settings),
@@ -73,6 +76,7 @@ class EngineBuilder:
             eviction_policy=eviction_policy,
             attention_backend=attention_backend,
             sampler=sampler,
+            plugins=tuple(plugins or ()),
         )
 
     def with_scheduling_policy(self, policy: SchedulingPolicy) -> EngineBuilder:
@@ -99,7 +103,13 @@ class EngineBuilder:
             self.config, scheduling_policy=self.scheduling_policy,
             eviction_policy=self.eviction_policy, attention_backend=self.attention_backend,
             sampler=self.sampler, offload_eviction_policy=self.offload_eviction_policy,
+            plugins=self.plugins,
         ))
+
+    def with_plugin(self, plugin: Any) -> EngineBuilder:
+        """Plug a feature in (a :class:`~llmlab.plugin.SchedulerPlugin` or
+        :class:`~llmlab.plugin.RunnerPlugin`, a registered name or ``"module:Class"``)."""
+        return attrs.evolve(self, plugins=(*self.plugins, plugin))
 
     def plan(self) -> BuildPlan:
         """Everything decided before any weights load (see

@@ -380,8 +380,8 @@ class Engine:
                 )
                 if drafted and tokens
             )
-        press = self.scheduler.press
-        compacted = tuple(press.take_log()) if press is not None else None
+        # What each plugged-in feature did this step (a KV press's compactions), by name.
+        reports = {p.name: p.report() for p in self.scheduler.plugins}
         blocks = self.scheduler.kv.drain_events()
         event = None
         if (
@@ -390,7 +390,7 @@ class Engine:
             or self._arrived_since_step
             or failed
             or blocks != BlockEvents()
-            or compacted
+            or any(reports.values())
         ):
             event = step_event(
                 self._step_index, batch, batch_requests,
@@ -398,7 +398,7 @@ class Engine:
                 arrived=self._arrived_since_step, sampled=sampled, blocks=blocks,
                 kv=self.scheduler.kv, num_waiting=self.scheduler.num_waiting,
                 num_running=len(self.scheduler.running), start=start, end=self.clock(),
-                model_time=model_time, speculated=speculated, compacted=compacted,
+                model_time=model_time, speculated=speculated, reports=reports,
             )
             self._aborted_since_step = []
             self._arrived_since_step = []

@@ -109,7 +109,7 @@ class InputProcessor:
             engine.scheduler.max_num_seqs, kv.block_size, kv.num_blocks,
             engine.max_logprobs, engine.grammars, getattr(engine, "pooling", None),
             getattr(engine, "lora", None),
-            kv_press=getattr(engine.scheduler, "press", None) is not None,
+            kv_press=engine.scheduler.plugin("kv_press") is not None,
         )
 
     def prepare(

@@ -1,8 +1,9 @@
 """The executor's side of a KV press: keep recent queries, score, move the kept tokens.
 
-Per step, :meth:`PressRunner.capture_plan` names the flat tokens whose queries the press
-will read (the batch's :class:`~llmlab.scheduler.batch.PressStep` says from which position
-each row keeps them); the attention context hands every layer's queries of those tokens to
+:class:`PressRunner` is the press's runner plugin (:mod:`llmlab.plugin`, ``kv_press``). Per
+step, :meth:`PressRunner.capture_plan` names the flat tokens whose queries the press will
+read (the entry's :class:`~llmlab.kvpress.schedule.PressStep`, in the batch's side map, says
+from which position each row keeps them); the attention context hands every layer's queries of those tokens to
 :meth:`QueryCapture.take` during the forward, and :meth:`PressRunner.store` files them per
 row, keeping the most recent ``window``. After the forward (and sampling),
 :meth:`PressRunner.compact` serves each entry whose step asks for a compaction: per layer it
@@ -28,7 +29,9 @@ import torch
 
 from llmlab.attention.backend import token_slots
 from llmlab.kvpress.base import KVPress, PressInput
-from llmlab.scheduler.batch import CompactionResult, ScheduledRequest
+from llmlab.kvpress.schedule import CompactionResult, PressStep
+from llmlab.plugin import RunnerPlugin
+from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
 
 
 @attrs.define(eq=False)
@@ -48,7 +51,7 @@ class QueryCapture:
 
 
 @attrs.define
-class PressRunner:
+class PressRunner(RunnerPlugin):
     """Executor-side state and work of a KV press (see the module docstring).
 
     Args:
@@ -59,10 +62,13 @@ class PressRunner:
         block_size: tokens per KV block.
     """
 
+    name = "kv_press"
+
     press: KVPress
     backend: Any
     num_layers: int
     block_size: int
+    _runner: Any = attrs.field(init=False, default=None)
     # Per row: per layer, the kept queries [heads, tokens, dim] (oldest first).
     _queries: dict[int, list[torch.Tensor | None]] = attrs.field(init=False, factory=dict)
     _scales: dict[int, float] = attrs.field(init=False, factory=dict)
@@ -74,16 +80,59 @@ class PressRunner:
     def reset(self) -> None:
         self._queries.clear()
 
+    # -- the plugin hooks ------------------------------------------------------------------
+
+    def bind(self, runner: Any) -> None:
+        self._runner = runner
+
+    def before_forward(self, batch: ScheduledBatch, sides: Any) -> QueryCapture | None:
+        return self.capture_plan(batch, self._runner.device)
+
+    def observe_queries(self, context: QueryCapture | None) -> Any:
+        return None if context is None else context.take
+
+    def eager_only(self, context: QueryCapture | None) -> bool:
+        return context is not None  # keeping queries: no graph replay
+
+    def after_forward(self, batch: ScheduledBatch, hidden: Any, output: BatchOutput,
+                      context: QueryCapture | None) -> BatchOutput:
+        if context is not None:
+            self.store(context)
+        # After the forward wrote this step's KV and after sampling: the row's blocks are
+        # only read; the kept tokens go to blocks the scheduler reserved.
+        runner = self._runner
+        compacted = self.compact(batch, runner.kv_caches, runner.block_tables,
+                                 runner.attention_state)
+        return output if compacted is None else output.with_side(self.name, compacted)
+
+    def kv_offsets(self, batch: ScheduledBatch) -> tuple[Any, Any]:
+        side = batch.side(self.name)
+        if not side:
+            return None, None
+        steps = [side.get(e.request_id) for e in batch.entries]
+        dropped = np.fromiter((0 if s is None else s.kv_dropped for s in steps), np.int64,
+                              len(steps))
+        layer_shift = None
+        if any(s is not None and s.kv_layer_shift is not None for s in steps):
+            layer_shift = np.zeros((self.num_layers, len(steps)), dtype=np.int64)
+            for i, s in enumerate(steps):
+                if s is not None and s.kv_layer_shift is not None:
+                    layer_shift[:, i] = s.kv_layer_shift
+        return (dropped if dropped.any() else None), layer_shift
+
     # -- capture ---------------------------------------------------------------------------
 
-    def capture_plan(self, entries: tuple[ScheduledRequest, ...], device: torch.device) -> QueryCapture | None:
+    def capture_plan(self, batch: ScheduledBatch, device: torch.device) -> QueryCapture | None:
         """The flat tokens whose queries this step keeps, or None (no entry keeps any)."""
+        side = batch.side(self.name)
+        if not side:
+            return None
         index: list[np.ndarray] = []
         segments = []
         offset = flat = 0
-        for entry in entries:
+        for entry in batch.entries:
             n = len(entry.token_ids)
-            step = entry.kv_press
+            step = side.get(entry.request_id)
             if step is not None and step.capture_from >= 0:
                 first = max(entry.start, step.capture_from)
                 end = entry.start + n
@@ -117,23 +166,27 @@ class PressRunner:
 
     def compact(
         self,
-        entries: tuple[ScheduledRequest, ...],
+        batch: ScheduledBatch,
         kv_caches: list[torch.Tensor],
         tables,
         attention_state: Any = None,
     ) -> tuple[CompactionResult | None, ...] | None:
         """Compact the rows whose entry asks for it; per entry its result (None where none
         was asked), or None when no entry asked."""
+        side = batch.side(self.name)
+        if not side:
+            return None
+        entries = batch.entries
         results: list[CompactionResult | None] | None = None
         for i, entry in enumerate(entries):
-            step = entry.kv_press
+            step = side.get(entry.request_id)
             if step is None or step.budgets is None:
                 continue
             if results is None:
                 results = [None] * len(entries)
             table = np.asarray(tables.tables[entry.row, : tables.lengths[entry.row]])
             try:
-                results[i] = self._compact_row(entry, table, kv_caches)
+                results[i] = self._compact_row(entry, step, table, kv_caches)
             except Exception as err:  # noqa: BLE001 - the press is user code: this row only
                 # Reported (logged, in the step event) by the scheduler, which applies it.
                 results[i] = CompactionResult(error=f"{type(err).__name__}: {err}")
@@ -147,12 +200,12 @@ class PressRunner:
         return None if results is None else tuple(results)
 
     def _compact_row(
-        self, entry: ScheduledRequest, table: np.ndarray, kv_caches: list[torch.Tensor]
+        self, entry: ScheduledRequest, step: PressStep, table: np.ndarray,
+        kv_caches: list[torch.Tensor],
     ) -> CompactionResult:
-        step = entry.kv_press
         bs = self.block_size
-        held = entry.start + len(entry.token_ids) - entry.kv_dropped
-        shift = entry.kv_layer_shift or (0,) * self.num_layers
+        held = entry.start + len(entry.token_ids) - step.kv_dropped
+        shift = step.kv_layer_shift or (0,) * self.num_layers
         targets = np.asarray(step.targets, dtype=np.int64)[None, :]
         queries = self._queries.get(entry.row)
         before, kept, moves = [], [], []

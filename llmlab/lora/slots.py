@@ -1,9 +1,9 @@
 """``LoRASlots``: the model runner's side of LoRA: which adapter each row runs, which
 adapter each device slot holds, and the step's token grouping.
 
-Per-row state like the runner's others: a row's adapter arrives in its
-:class:`~llmlab.scheduler.batch.RowSetup` (``lora``) and is dropped when the batch frees
-the row. Each step, :meth:`activate` puts every adapter the step needs into a device slot
+LoRA's runner plugin (:mod:`llmlab.plugin`, named ``lora``); per-row state like the
+runner's others: a row's adapter arrives on its first entry (the ``lora`` side map, from
+:class:`~llmlab.lora.schedule.LoRASchedule`) and is dropped when the batch frees the row. Each step, :meth:`activate` puts every adapter the step needs into a device slot
 (``max_loras`` of them; a slot not needed this step is reused least recently used first,
 its weights taken from the host :class:`~llmlab.lora.store.AdapterStore`), and
 :meth:`begin` describes the step's tokens by slot for the wrapped modules
@@ -19,6 +19,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -28,12 +29,13 @@ from llmlab.lora.layer import LoRAContext, LoRALinear, LoRAStep
 from llmlab.lora.ops import LONG_RUN
 from llmlab.lora.request import LoRARequest
 from llmlab.lora.store import AdapterStore
+from llmlab.plugin import RunnerPlugin
 
 logger = logging.getLogger(__name__)
 
 
 @attrs.define
-class LoRASlots:
+class LoRASlots(RunnerPlugin):
     """Device slots and per-row adapters of one model runner.
 
     Attributes:
@@ -43,6 +45,8 @@ class LoRASlots:
         kernel: ``"torch"`` or ``"triton"`` (CUDA's default).
         slot_loads: adapters written into a slot so far (for tests and views).
     """
+
+    name = "lora"
 
     store: AdapterStore
     modules: dict[str, LoRALinear]
@@ -68,10 +72,10 @@ class LoRASlots:
 
     # -- per-row state ------------------------------------------------------------------
 
-    def start_row(self, row: int, lora: LoRARequest | None) -> None:
-        self._rows[row] = lora
+    def start_row(self, row: int, entry: Any, side: LoRARequest | None) -> None:
+        self._rows[row] = side
 
-    def fork(self, leader_row: int, row: int) -> None:
+    def fork_row(self, leader_row: int, row: int) -> None:
         """A parallel sample's row runs its leader's adapter."""
         self._rows[row] = self._rows[leader_row]
 
@@ -168,6 +172,25 @@ class LoRASlots:
 
     def end(self) -> None:
         self.context.step = None
+
+    # -- the plugin's step hooks ----------------------------------------------------------
+
+    def before_forward(self, batch: Any, sides: Any) -> dict[int, str]:
+        """The step's adapters into device slots; an adapter that cannot be read back
+        fails its own requests (returned, applied after sampling)."""
+        return self.activate(batch.entries)
+
+    def eager_only(self, context: dict[int, str]) -> bool:
+        return self.active  # the graphs were captured without any slot index
+
+    def forward_begin(self, batch: Any, query_lens: np.ndarray, context: Any) -> None:
+        self.begin(batch.entries, query_lens)
+
+    def forward_end(self, context: Any) -> None:
+        self.end()
+
+    def after_forward(self, batch: Any, hidden: Any, output: Any, context: dict[int, str]) -> Any:
+        return with_failures(output, context) if context else output
 
 
 def group_tokens(

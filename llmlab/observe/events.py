@@ -257,10 +257,15 @@ def step_event(
     end: float,
     model_time: float,
     speculated: tuple[tuple[str, int, int], ...] = (),
-    compacted: tuple[Any, ...] | None = None,
+    reports: dict[str, Any] | None = None,
 ) -> StepEvent:
     """The event of one step, after its commit. ``requests``: the batch's requests by id
-    (read for users, priorities and computed tokens); ``finished``: the requests that ended."""
+    (read for users, priorities and computed tokens); ``finished``: the requests that ended;
+    ``reports``: what each plugged-in feature reported, by name (a KV press's compactions
+    under ``kv_press``)."""
+    compacted = None if reports is None else reports.get("kv_press")
+    if compacted is not None:
+        compacted = tuple(compacted)
     # Comprehensions over the entries (this runs every step, for every request).
     entries = batch.entries
     scheduled_requests = [requests[e.request_id] for e in entries]

@@ -27,8 +27,9 @@ from llmlab.models.registry import get_model_class
 from llmlab.pooling.task import PoolingSpec
 from llmlab.quantization.loading import QuantizationSpec
 from llmlab.runner.cuda_graphs import DecodeGraphs
-from llmlab.runner.host_kv import attach_host_kv
+from llmlab.runner.host_kv import host_kv_for
 from llmlab.runner.model_runner import ModelRunner
+from llmlab.plugin import RunnerPlugin
 from llmlab.runner.pooling_rows import PoolingRows
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.sampler import Sampler
@@ -66,6 +67,7 @@ class BuildPlan:
     pooling: PoolingSpec | None = None  # runner="pooling": its tasks, pooler, defaults
     quantization: QuantizationSpec | None = None  # weight-only scheme of the linears
     press: Any = None  # the KV press (llmlab.kvpress), or None
+    plugins: tuple[RunnerPlugin, ...] = ()  # feature plugins' runner sides given by the user
 
 
 @attrs.define
@@ -178,7 +180,7 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
     if tokenizer is not None:
         grammars = GrammarFactory(tokenizer, hf_config.vocab_size, eos_token_ids)
 
-    def runner_for(kv_caches: list[torch.Tensor], num_blocks: int) -> ModelRunner:
+    def runner_for(kv_caches: list[torch.Tensor], num_blocks: int, **parts: Any) -> ModelRunner:
         return ModelRunner(
             model=model,
             attention=attention,
@@ -191,6 +193,7 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len,
             grammars=grammars,
+            **parts,
         )
 
     num_blocks = num_blocks_for(
@@ -213,16 +216,15 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
         num_blocks = int(tp.all_reduce_min(agreed).item())
     logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
     kv_caches = allocate_kv_caches(attention, layout, num_blocks, cfg.block_size, dtype, device)
-    runner = runner_for(kv_caches, num_blocks)
-    runner.threads = threads
-    attach_host_kv(runner, cfg, attention, layout, dtype, device, tp)  # swap / offload tier
-    runner.lora = lora
+    plugins: list[RunnerPlugin] = []
+    if lora is not None:
+        plugins.append(lora)
     if plan.pooling is not None:
-        runner.pooling = PoolingRows(
+        plugins.append(PoolingRows(
             registry.create("pooler", plan.pooling.pooling_type),
             getattr(model, "classify", None),
             plan.pooling.hidden_size,
-        )
+        ))
     if plan.press is not None:
         windows = [m.sliding_window for m in model.modules()
                    if getattr(m, "sliding_window", None) is not None]
@@ -232,20 +234,25 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
                 f"{windows[0]}): the window counts cache slots, which a press no longer "
                 "keeps one per position"
             )
-        runner.press = PressRunner(plan.press, attention, len(kv_caches), cfg.block_size)
-    length = None
+        plugins.append(PressRunner(plan.press, attention, len(kv_caches), cfg.block_size))
+    plugins.extend(plan.plugins)
+    speculator = length = None
+    # The proposer prepares draft batches through the runner, built just below.
+    built: list[ModelRunner] = []
     if cfg.speculative_config is not None:
-        length = _speculate(
-            cfg.speculative_config, runner, attention, hf_config.vocab_size,
-            dtype, tokenizer, max_model_len, for_device, cfg.seed,
+        speculator, length = _speculate(
+            cfg.speculative_config, built, attention, hf_config.vocab_size, dtype, tokenizer,
+            max_model_len, for_device, cfg.seed, sampler, device, cfg.block_size, num_blocks,
+            cfg.max_num_seqs,
         )
+    decode_graphs = None
     # CUDA graphs capture one device's kernels; a decode step of a tensor-parallel group
     # runs collectives between them, so those run eagerly.
     if (
         device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention)
         and (tp is None or not tp.is_parallel)
     ):
-        runner.decode_graphs = DecodeGraphs(
+        decode_graphs = DecodeGraphs(
             model=model,
             backend=attention,
             kv_caches=kv_caches,
@@ -254,31 +261,37 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             max_model_len=max_model_len,
             block_size=cfg.block_size,
         )
+    runner = runner_for(
+        kv_caches, num_blocks, threads=threads, decode_graphs=decode_graphs,
+        host_kv=host_kv_for(cfg, attention, layout, dtype, device, tp),  # swap / offload
+        speculator=speculator, plugins=tuple(plugins),
+    )
+    built.append(runner)
     return RankParts(runner, num_blocks, tokenizer, grammars, eos_token_ids, length, lora)
 
 
-def _speculate(spec, runner, attention, vocab_size, dtype, tokenizer,
-               max_model_len, for_device, seed):
-    """Wire speculative decoding: the proposer (bound to this engine) into the runner;
-    returns the length policy, which the scheduler takes."""
+def _speculate(spec, built, attention, vocab_size, dtype, tokenizer, max_model_len,
+               for_device, seed, sampler, device, block_size, num_blocks, max_num_seqs):
+    """Speculative decoding's parts: the runner's speculator (the proposer bound to this
+    engine; it prepares draft batches through the runner, ``built[0]`` once built) and the
+    length policy, which the scheduler takes."""
     proposer = spec.build_proposer()
     bind = getattr(proposer, "bind", None)
     if bind is not None:
         bind(ProposerContext(
-            vocab_size=vocab_size, device=runner.device, dtype=dtype,
-            block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
-            max_num_seqs=runner.max_num_seqs, max_model_len=max_model_len,
+            vocab_size=vocab_size, device=device, dtype=dtype,
+            block_size=block_size, num_kv_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             attention=attention, tokenizer=tokenizer,
-            prepare=lambda entries: runner.prepare(ScheduledBatch(entries=tuple(entries))),
+            prepare=lambda entries: built[0].prepare(ScheduledBatch(entries=tuple(entries))),
             for_device=for_device, seed=seed,
         ))
-    if not callable(getattr(runner.sampler, "process", None)):
+    if not callable(getattr(sampler, "process", None)):
         raise ValueError(
             f"speculative decoding verifies drafts with the sampler's process(logits, "
-            f"metadata); the sampler {type(runner.sampler).__name__} has none"
+            f"metadata); the sampler {type(sampler).__name__} has none"
         )
-    runner.speculator = Speculator(proposer, vocab_size, runner.max_num_seqs)
-    return spec.length_policy()
+    return Speculator(proposer, vocab_size, max_num_seqs), spec.length_policy()
 
 
 def _eos_token_ids(tokenizer, hf_config, model_path) -> frozenset[int]:

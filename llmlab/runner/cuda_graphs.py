@@ -106,15 +106,17 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, batch: ScheduledBatch, tables: BlockTables) -> torch.Tensor | None:
+    def run(self, batch: ScheduledBatch, tables: BlockTables,
+            dropped: np.ndarray | None = None) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a pure decode batch through a graph, or None
         when this batch must run eagerly (prefill, too large, graphs disabled).
-        ``tables``: the rows' block tables (the runner's, already updated by the batch)."""
+        ``tables``: the rows' block tables (the runner's, already updated by the batch);
+        ``dropped``: per entry, positions its row no longer caches (a KV press), or None."""
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
-        if any(len(e.token_ids) != 1 or e.kv_layer_shift is not None for e in entries):
-            return None  # a graph serves one count of cached tokens for every layer
+        if any(len(e.token_ids) != 1 for e in entries):
+            return None
         size = self.size_for(len(entries))
         if size is None:
             return None
@@ -127,19 +129,19 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
             self.captured[size] = captured
-        self._fill(entries, tables, size)
+        self._fill(entries, tables, size, dropped)
         captured.replay()
         return captured.hidden[: len(entries)]
 
-    def _fill(self, entries, tables: BlockTables, size: int) -> None:
+    def _fill(self, entries, tables: BlockTables, size: int, dropped=None) -> None:
         n, bs = len(entries), self.block_size
         ids, pos, slot = self._ids_h.numpy(), self._pos_h.numpy(), self._slot_h.numpy()
         lens, staged = self._len_h.numpy(), self._bt_h.numpy()
         # One new token per row, at position ``start``.
         rows = np.fromiter((e.row for e in entries), np.int64, n)
         p = np.fromiter((e.start for e in entries), np.int64, n)
-        # A row a KV press compacted caches ``kv_dropped`` fewer tokens than its position.
-        c = p - np.fromiter((e.kv_dropped for e in entries), np.int64, n)
+        # A row a KV press compacted caches ``dropped`` fewer tokens than its position.
+        c = p if dropped is None else p - dropped
         ids[:n] = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
         pos[:n] = p
         lens[:n] = c + 1

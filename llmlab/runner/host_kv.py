@@ -60,11 +60,12 @@ def check_host_kv_settings(cfg: EngineConfig) -> None:
             raise ValueError(f"kv_offloading_dir={path!r} exists and is not a directory")
 
 
-def attach_host_kv(runner: Any, cfg: EngineConfig, attention: Any, layout: Any,
-                   dtype: torch.dtype, device: torch.device, tp: Any = None) -> None:
-    """Give ``runner`` its host KV pools (``runner.host_kv``) when the config asks for any."""
+def host_kv_for(cfg: EngineConfig, attention: Any, layout: Any, dtype: torch.dtype,
+                device: torch.device, tp: Any = None) -> HostKVCaches | None:
+    """The runner's host KV pools when the config asks for any (swap space, the offload
+    tier), else None."""
     if not (swapping(cfg) or offloading(cfg)):
-        return
+        return None
     check_block_layout(attention, layout, cfg.block_size)
     per_block = bytes_per_block(layout, cfg.block_size, dtype)
     counts = [
@@ -81,7 +82,7 @@ def attach_host_kv(runner: Any, cfg: EngineConfig, attention: Any, layout: Any,
                 f"{field}={size} GiB holds no KV block (one block of {cfg.block_size} tokens "
                 f"takes {per_block} bytes across the layers); raise it"
             )
-    runner.host_kv = allocate_host_kv_caches(
+    host_kv = allocate_host_kv_caches(
         attention, layout, cfg.block_size, dtype, device,
         num_swap_blocks=counts[0], num_offload_blocks=counts[1],
         offload_backend=cfg.kv_offloading_backend, offload_dir=cfg.kv_offloading_dir,
@@ -89,6 +90,7 @@ def attach_host_kv(runner: Any, cfg: EngineConfig, attention: Any, layout: Any,
     )
     logger.info("host KV pools: %d swap blocks, %d offload blocks (%s)",
                 counts[0], counts[1], cfg.kv_offloading_backend)
+    return host_kv
 
 
 def host_pools(host_kv: HostKVCaches | None,

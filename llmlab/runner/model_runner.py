@@ -14,7 +14,9 @@ dropped when the batch frees the row:
   updated from each entry's change, so a decode step copies no table);
 * the sampling state (:class:`~llmlab.sampling.metadata.SamplingRow`: parameters, prompt,
   tokens sampled so far, grammar matcher, seeded stream);
-* the attention backend's state (e.g. the CPU decode mirror), created once per engine.
+* the attention backend's state (e.g. the CPU decode mirror), created once per engine;
+* each plugged-in feature's (:class:`~llmlab.plugin.RunnerPlugin`: LoRA's adapter per row,
+  pooling's hidden states, a KV press's kept queries), through its hooks.
 
 If a step fails, all of it is reset and the scheduler re-sends every row's setup (the
 engine tells it), so no half-updated state survives a failure.
@@ -35,9 +37,10 @@ from llmlab.attention.backend import (
     AttentionInputs,
     token_slots,
 )
-from llmlab.cache.kv_tensors import copy_blocks_between
+from llmlab.cache.kv_tensors import HostKVCaches, copy_blocks_between
 from llmlab.errors import ComponentError
-from llmlab.lora.slots import with_failures
+from llmlab.plugin import RunnerPlugin
+from llmlab.runner.cuda_graphs import DecodeGraphs
 from llmlab.sampling.logprobs import gather_logprobs
 from llmlab.sampling.metadata import (
     GrammarFactory,
@@ -45,8 +48,11 @@ from llmlab.sampling.metadata import (
     SamplingMetadata,
     SamplingRow,
 )
+from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler, SamplerOutput
 from llmlab.scheduler.batch import BatchOutput, BlockTables, ScheduledBatch, ScheduledRequest
+from llmlab.speculative.speculator import Speculator
+from llmlab.threads import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +69,15 @@ class ModelRunner:
             many blocks as the cache has).
         grammars: builds structured-output matchers for rows that ask (None: no tokenizer,
             so no request can ask).
+        decode_graphs: replays pure decode steps through CUDA graphs, or None (eager).
+        threads: ticked before each step when the CPU thread count is automatic (it
+            follows how many other tasks compete for the cores), or None.
+        host_kv: the host pools' tensors the batch's ``kv_transfers`` move blocks to and
+            from (swap preemption, the KV offload tier), or None.
+        speculator: speculative decoding: drafts for entries with a lookahead, verified
+            after the forward pass; None: off.
+        plugins: the features plugged in on this side (bound here, called in order).
         attention_state: the backend's per-engine state (``create_state``), or None.
-        decode_graphs: replays pure decode steps through CUDA graphs
-            (:class:`~llmlab.runner.cuda_graphs.DecodeGraphs`), or None (eager).
     """
 
     model: torch.nn.Module
@@ -79,31 +91,16 @@ class ModelRunner:
     max_num_seqs: int
     max_model_len: int | None = None
     grammars: GrammarFactory | None = None
+    decode_graphs: DecodeGraphs | None = None
+    threads: ThreadGovernor | None = None
+    host_kv: HostKVCaches | None = None
+    speculator: Speculator | None = None
+    plugins: tuple[RunnerPlugin, ...] = ()
     attention_state: Any = attrs.field(init=False, default=None)
-    # Set by the builder on CUDA unless enforce_eager (llmlab.runner.cuda_graphs).
-    decode_graphs: Any = attrs.field(init=False, default=None)
-    # Set by the builder when the CPU thread count is automatic (llmlab.threads.ThreadGovernor):
-    # ticked before each step, it follows how many other tasks compete for the cores.
-    threads: Any = attrs.field(init=False, default=None)
-    # Set by the builder when speculative decoding is on (llmlab.speculative.Speculator):
-    # drafts for entries with a lookahead, verified after the forward pass.
-    speculator: Any = attrs.field(init=False, default=None)
-    # Set by the builder for runner="pooling" (llmlab.runner.pooling_rows.PoolingRows):
-    # pooling rows' hidden states across prefill chunks, pooled when a prompt ends.
-    pooling: Any = attrs.field(init=False, default=None)
-    # Set by the builder with swap preemption or the KV offload tier
-    # (llmlab.cache.kv_tensors.HostKVCaches): the host pools' tensors that the batch's
-    # kv_transfers move blocks to and from.
-    host_kv: Any = attrs.field(init=False, default=None)
-    # Set by the builder with enable_lora (llmlab.lora.slots.LoRASlots): each row's
-    # adapter, the device slots, and the step's tokens grouped by slot.
-    lora: Any = attrs.field(init=False, default=None)
-    # Set by the builder with a KV press (llmlab.kvpress.runner.PressRunner): keeps the
-    # queries a press reads and compacts rows after the forward when the batch says so.
-    press: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
+    _started: np.ndarray = attrs.field(init=False)  # per row: it has state
 
     def __attrs_post_init__(self) -> None:
         max_blocks = self.num_kv_blocks
@@ -119,6 +116,13 @@ class ModelRunner:
                 num_slots=self.num_kv_blocks * self.block_size,
                 device=self.device,
             )
+        self._started = np.zeros(self.max_num_seqs, dtype=bool)
+        for plugin in self.plugins:
+            plugin.bind(self)
+
+    def plugin(self, name: str) -> RunnerPlugin | None:
+        """The plugged-in feature called ``name``, or None."""
+        return next((p for p in self.plugins if p.name == name), None)
 
     # -- the executor interface --------------------------------------------------------
 
@@ -141,18 +145,15 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every row's state (after a failed step)."""
         self.rows = [None] * self.max_num_seqs
+        self._started[:] = False
         self.block_tables.reset()
         reset = getattr(self.attention_state, "reset", None)
         if reset is not None:
             reset()
         if self.speculator is not None:
             self.speculator.reset()
-        if self.pooling is not None:
-            self.pooling.reset()
-        if self.lora is not None:
-            self.lora.reset()
-        if self.press is not None:
-            self.press.reset()
+        for plugin in self.plugins:
+            plugin.reset()
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> BatchOutput:
@@ -163,65 +164,60 @@ class ModelRunner:
             self.block_tables.release(batch.freed_rows)
             for row in batch.freed_rows:
                 self.rows[row] = None
+            self._started[list(batch.freed_rows)] = False
             if self.speculator is not None:
                 self.speculator.release(batch.freed_rows)
-            if self.pooling is not None:
-                self.pooling.release(batch.freed_rows)
-            if self.lora is not None:
-                self.lora.release(batch.freed_rows)
-            if self.press is not None:
-                self.press.release(batch.freed_rows)
+            for plugin in self.plugins:
+                plugin.release(batch.freed_rows)
         if batch.kv_transfers:  # first: every move was recorded before these copies
             self._apply_transfers(batch.kv_transfers)
         if batch.block_copies:
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
-        self._start_rows(batch.entries)
+        self._start_rows(batch)
         self.block_tables.apply(batch.entries)
-        # The step's LoRA adapters into device slots; one that cannot be read back fails
-        # its own requests (llmlab.lora.slots).
-        lora_failed = self.lora.activate(batch.entries) if self.lora is not None else None
+        plugins = self.plugins
+        contexts = [p.before_forward(batch, batch.sides) for p in plugins]
         if self.speculator is not None and any(e.num_lookahead for e in batch.entries):
             batch, drafts = self.speculator.propose(batch, self.rows)
             if drafts:
-                hidden = self.run_model(batch, self.kv_caches, self.attention_state)
-                output = self._sample(batch, hidden, drafts)
-                return with_failures(output, lora_failed) if lora_failed else output
+                hidden = self.run_model(batch, self.kv_caches, self.attention_state,
+                                        contexts=contexts)
+                return self._after(batch, hidden, self._sample(batch, hidden, drafts), contexts)
         hidden = None
-        press = self.press
-        capture = press.capture_plan(batch.entries, self.device) if press is not None else None
-        if (
-            self.decode_graphs is not None
-            and (self.lora is None or not self.lora.active)
-            and capture is None
+        if self.decode_graphs is not None and not any(
+            p.eager_only(c) for p, c in zip(plugins, contexts, strict=True)
         ):
-            # None: not a batch a graph serves. A step with LoRA adapters runs eagerly:
-            # the graphs were captured without any slot index; so does one that keeps
-            # queries for a KV press.
-            hidden = self.decode_graphs.run(batch, self.block_tables)
+            # None: not a batch a graph serves (a prefill; rows whose layers hold different
+            # token counts). A feature may ask for eager steps (LoRA adapters: the graphs
+            # were captured without any slot index; a KV press keeping queries).
+            dropped, layer_shift = self.kv_offsets(batch)
+            if layer_shift is None:
+                hidden = self.decode_graphs.run(batch, self.block_tables, dropped)
         if hidden is None:
-            hidden = self.run_model(
-                batch, self.kv_caches, self.attention_state, capture=capture
-            )
-        output = self._sample(batch, hidden)
-        if press is not None:
-            if capture is not None:
-                press.store(capture)
-            # After the forward wrote this step's KV and after sampling: the row's blocks
-            # are only read; the kept tokens go to blocks the scheduler reserved.
-            compacted = press.compact(
-                batch.entries, self.kv_caches, self.block_tables, self.attention_state
-            )
-            if compacted is not None:
-                output = attrs.evolve(output, compacted=compacted)
-        if lora_failed:
-            output = with_failures(output, lora_failed)
-        if self.pooling is not None:
-            pooled = self.pooling.collect(batch.entries, hidden)
-            if pooled is not None:
-                output = attrs.evolve(output, pooled=pooled)
+            hidden = self.run_model(batch, self.kv_caches, self.attention_state,
+                                    contexts=contexts)
+        return self._after(batch, hidden, self._sample(batch, hidden), contexts)
+
+    def _after(self, batch: ScheduledBatch, hidden: torch.Tensor, output: BatchOutput,
+               contexts: list[Any]) -> BatchOutput:
+        """The plugins' work after sampling (e.g. a KV press compacting rows: the forward
+        wrote this step's KV and the row's blocks are only read)."""
+        for plugin, context in zip(self.plugins, contexts, strict=True):
+            output = plugin.after_forward(batch, hidden, output, context)
         return output
+
+    def kv_offsets(self, batch: ScheduledBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Per entry, positions its row no longer caches (a KV press compacted it: KV is
+        written and read at ``position - dropped``), and per layer and entry how many
+        fewer tokens that layer holds; None where no plugin says so."""
+        dropped = layer_shift = None
+        for plugin in self.plugins:
+            d, shift = plugin.kv_offsets(batch)
+            dropped = d if dropped is None else dropped
+            layer_shift = shift if layer_shift is None else layer_shift
+        return dropped, layer_shift
 
     def _apply_transfers(self, transfers) -> None:
         """Move KV blocks between the device cache and the host pools, in batch order
@@ -249,45 +245,33 @@ class ModelRunner:
         """Release the host KV pools (a disk tier's temporary directory is removed)."""
         if self.host_kv is not None:
             self.host_kv.close()
+        for plugin in self.plugins:
+            plugin.shutdown()
 
-    def _start_rows(self, entries: tuple[ScheduledRequest, ...]) -> None:
-        rows = self.rows
-        for e in entries:
+    def _start_rows(self, batch: ScheduledBatch) -> None:
+        rows, started, plugins = self.rows, self._started, self.plugins
+        for e in batch.entries:
             setup = e.setup
-            if e.pooling:
-                if self.pooling is None:
-                    raise ValueError(
-                        f"request {e.request_id!r} pools, but this runner was built for "
-                        "generation (runner='generate')"
-                    )
-                if setup is not None:
-                    self.pooling.start(e.row, setup.params)
-                elif not self.pooling.has(e.row):
-                    raise ValueError(
-                        f"row {e.row} (request {e.request_id!r}) has no pooling state: a "
-                        "row's first entry must carry its setup"
-                    )
-                continue
             if setup is not None:
                 params = setup.params
-                grammar = None
-                if params.structured_outputs is not None:
-                    grammar = self._grammars().new_state(
-                        params.structured_outputs, setup.output_token_ids
+                if isinstance(params, SamplingParams):
+                    grammar = None
+                    if params.structured_outputs is not None:
+                        grammar = self._grammars().new_state(
+                            params.structured_outputs, setup.output_token_ids
+                        )
+                    rows[e.row] = SamplingRow(
+                        e.request_id, params, setup.prompt_token_ids,
+                        list(setup.output_token_ids), setup.eos_token_ids, grammar,
                     )
-                rows[e.row] = SamplingRow(
-                    e.request_id, params, setup.prompt_token_ids,
-                    list(setup.output_token_ids), setup.eos_token_ids, grammar,
-                )
-                self.param_columns.set(e.row, params)
-                if self.lora is not None:
-                    self.lora.start_row(e.row, setup.lora)
-                elif setup.lora is not None:
-                    raise ValueError(
-                        f"request {e.request_id!r} runs LoRA adapter {setup.lora.lora_name!r}, "
-                        "but this runner has no LoRA slots (enable_lora=False)"
-                    )
-            elif rows[e.row] is None:
+                    self.param_columns.set(e.row, params)
+                else:  # a row that does not sample (pooling): its plugin keeps its state
+                    rows[e.row] = None
+                started[e.row] = True
+                for plugin in plugins:
+                    side = batch.sides.get(plugin.name)
+                    plugin.start_row(e.row, e, None if side is None else side.get(e.request_id))
+            elif not started[e.row]:
                 raise ValueError(
                     f"row {e.row} (request {e.request_id!r}) has no state: a row's first "
                     "entry must carry its setup"
@@ -348,8 +332,8 @@ class ModelRunner:
                 sample_rows.append(leader)
                 row_ids.append(entry.row)
                 for fork in entry.forks:
-                    if self.lora is not None:
-                        self.lora.fork(entry.row, fork.row)
+                    for plugin in self.plugins:
+                        plugin.fork_row(entry.row, fork.row)
                     sample_rows.append(self._fork_row(leader, fork))
                     row_ids.append(fork.row)
         any_prompt = any(p is not None for p in prompt_scores)
@@ -515,6 +499,7 @@ class ModelRunner:
             list(leader.output_token_ids), leader.eos_token_ids, grammar,
         )
         self.rows[fork.row] = row
+        self._started[fork.row] = True
         self.param_columns.set(fork.row, fork.params)
         return row
 
@@ -556,13 +541,11 @@ class ModelRunner:
         n = len(entries)
         # Host-side index arithmetic in numpy: a few small arrays per step, where each
         # torch op would cost more in dispatch than in work. One pass over the entries.
-        cols = np.array(
-            [(len(e.token_ids), e.start, e.row, e.kv_dropped) for e in entries], dtype=np.int64
-        )
+        cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
         lens, start = cols[:, 0], cols[:, 1]
-        # A row a KV press compacted holds ``kv_dropped`` fewer tokens than its positions
-        # count: its KV is written and read at ``position - kv_dropped``.
-        dropped = cols[:, 3] if self.press is not None and cols[:, 3].any() else None
+        # A row a feature compacted (a KV press) holds fewer tokens than its positions
+        # count: its KV is written and read at ``position - dropped``.
+        dropped, layer_shift = self.kv_offsets(batch)
         kv_start = start if dropped is None else start - dropped
         seq_lens = kv_start + lens
         bs = self.block_size
@@ -584,12 +567,6 @@ class ModelRunner:
             )
         kv_pos = pos if dropped is None else pos - dropped[seq_index]
         slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
-        layer_shift = None
-        if self.press is not None and any(e.kv_layer_shift is not None for e in entries):
-            layer_shift = np.zeros((len(self.kv_caches), n), dtype=np.int64)
-            for i, e in enumerate(entries):
-                if e.kv_layer_shift is not None:
-                    layer_shift[:, i] = e.kv_layer_shift
         dev = self.device
         inputs = AttentionInputs(
             query_lens=lens.tolist(),
@@ -615,10 +592,10 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         attention_state: Any = None,
         block_tables: np.ndarray | None = None,
-        capture: Any = None,
+        contexts: list[Any] | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of every token in the batch
-        (``capture``: a KV press's :class:`~llmlab.kvpress.runner.QueryCapture`)."""
+        (``contexts``: the plugins' per-step contexts, from ``before_forward``)."""
         input_ids, positions, inputs = self.prepare(batch, attention_state, block_tables)
         layer_metadata = None
         try:
@@ -641,18 +618,21 @@ class ModelRunner:
             raise ComponentError.wrap(
                 "attention backend", self.attention, "build_metadata", err
             ) from err
-        context = AttentionContext(
-            self.attention, metadata, kv_caches, layer_metadata,
-            None if capture is None else capture.take,
-        )
-        lora = self.lora
-        if lora is None:
+        plugins = self.plugins if contexts is not None else ()
+        observe = None
+        for plugin, ctx in zip(plugins, contexts or (), strict=True):
+            observe = observe or plugin.observe_queries(ctx)
+        context = AttentionContext(self.attention, metadata, kv_caches, layer_metadata, observe)
+        if not plugins:
             return self.model(input_ids, positions, context)
-        lora.begin(batch.entries, np.asarray(inputs.query_lens, dtype=np.int64))
+        lens = np.asarray(inputs.query_lens, dtype=np.int64)
+        for plugin, ctx in zip(plugins, contexts, strict=True):
+            plugin.forward_begin(batch, lens, ctx)
         try:
             return self.model(input_ids, positions, context)
         finally:
-            lora.end()
+            for plugin, ctx in zip(plugins, contexts, strict=True):
+                plugin.forward_end(ctx)
 
 
 def _is_per_request(row: SamplingRow) -> bool:

@@ -7,6 +7,12 @@ ends the prompt, the collected states go through the pooler, and the pooled vect
 step through :func:`~llmlab.pooling.task.finish` (normalization, the classifier, the
 activation) in one batch.
 
+:class:`PoolingRows` is pooling's runner plugin and :class:`PoolingSchedule` its scheduler
+plugin (:mod:`llmlab.plugin`, both named ``pooling``): the scheduler side marks each
+pooling request's entries (its side map: request id -> True), the runner side answers the
+entry whose span ends the prompt with the pooled output (its output side), and the
+scheduler side then finishes the request (its blocks freed in that step).
+
 The pooler decides what is kept: ``uses_all_positions=False`` keeps nothing across chunks
 (the last position is in the final chunk); True keeps a copy of each chunk's rows.
 """
@@ -22,8 +28,62 @@ import torch
 from llmlab.errors import ComponentError
 from llmlab.pooling.pooler import Pooler
 from llmlab.pooling.task import finish
+from llmlab.plugin import RunnerPlugin, SchedulerPlugin, StepPlan
 from llmlab.pooling_params import PoolingParams
-from llmlab.scheduler.batch import ScheduledRequest
+from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+
+NAME = "pooling"
+
+
+def pools_now(entry: ScheduledRequest) -> bool:
+    """A pooling entry whose span reaches the end of the prompt: its output is due."""
+    return entry.start + len(entry.token_ids) >= entry.num_prompt_tokens
+
+
+class PoolingSchedule(SchedulerPlugin):
+    """Pooling's scheduler side: marks pooling entries, checks and commits pooled outputs.
+    A pooling request always recomputes after preemption (its pooler's per-row state does
+    not survive the row)."""
+
+    name = NAME
+
+    def plan(self, step: StepPlan) -> dict[str, bool]:
+        return {e.request_id: True for e in step.entries
+                if step.requests[e.request_id].pooling_params is not None}
+
+    def check(self, batch: ScheduledBatch, output: BatchOutput) -> None:
+        pooling = batch.side(NAME) or {}
+        pooled = output.side(NAME)
+        for i, entry in enumerate(batch.entries):
+            if output.failed is not None and output.failed[i] is not None:
+                continue
+            vector = None if pooled is None else pooled[i]
+            if entry.request_id in pooling:
+                due = pools_now(entry)
+                if output.token_ids[i] or (vector is None) == due:
+                    raise ValueError(
+                        f"pooling entry {entry.request_id!r} must return no tokens, and a "
+                        f"pooled output exactly when its span ends the prompt (it "
+                        f"{'does' if due else 'does not'}); the executor returned "
+                        f"{len(output.token_ids[i])} tokens and "
+                        f"{'no' if vector is None else 'a'} pooled output"
+                    )
+            elif vector is not None:
+                raise ValueError(
+                    f"entry {entry.request_id!r} samples, but the executor returned a pooled "
+                    "output for it"
+                )
+
+    def commit(self, request: Any, sent: Any, returned: Any) -> bool:
+        if returned is None:
+            return False
+        # Prefill only: its output is the pooled one, and it ends as soon as its prompt
+        # is computed.
+        request.pooled = returned
+        return True
+
+    def recompute_only(self, request: Any) -> bool:
+        return request.pooling_params is not None
 
 
 @attrs.define(eq=False, slots=True)
@@ -33,7 +93,7 @@ class _PoolingRow:
 
 
 @attrs.define
-class PoolingRows:
+class PoolingRows(RunnerPlugin):
     """Pooling state of every row of a pooling runner.
 
     Attributes:
@@ -43,6 +103,8 @@ class PoolingRows:
             a model without a classifier head.
         hidden_size: the width the pooler must return.
     """
+
+    name = NAME
 
     pooler: Pooler
     classifier: Callable[[torch.Tensor], torch.Tensor] | None
@@ -60,6 +122,15 @@ class PoolingRows:
     def has(self, row: int) -> bool:
         return row in self._rows
 
+    def start_row(self, row: int, entry: ScheduledRequest, side: Any) -> None:
+        if side:
+            self.start(row, entry.setup.params)
+
+    def after_forward(self, batch: ScheduledBatch, hidden: torch.Tensor, output: BatchOutput,
+                      context: Any) -> BatchOutput:
+        pooled = self.collect(batch, hidden)
+        return output if pooled is None else output.with_side(NAME, pooled)
+
     def release(self, rows: Sequence[int]) -> None:
         for row in rows:
             self._rows.pop(row, None)
@@ -68,23 +139,32 @@ class PoolingRows:
         self._rows.clear()
 
     def collect(
-        self, entries: Sequence[ScheduledRequest], hidden: torch.Tensor
+        self, batch: ScheduledBatch, hidden: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...] | None:
         """Keep what the pooler needs of this step's pooling spans (``hidden`` is the flat
         ``[num_tokens, hidden]`` of the batch, entries in order); per entry, the output of
         each one that ends its prompt, else None (None when no entry pooled)."""
+        pooling = batch.side(NAME)
+        if not pooling:
+            return None
+        entries = batch.entries
         keep_all = self.pooler.uses_all_positions
         due: list[tuple[int, torch.Tensor, PoolingParams]] = []
         offset = 0
         for i, entry in enumerate(entries):
             base, offset = offset, offset + len(entry.token_ids)
-            if not entry.pooling:
+            if entry.request_id not in pooling:
                 continue
-            row = self._rows[entry.row]
+            row = self._rows.get(entry.row)
+            if row is None:
+                raise ValueError(
+                    f"row {entry.row} (request {entry.request_id!r}) has no pooling state: a "
+                    "row's first entry must carry its setup"
+                )
             if keep_all:
                 # A copy: a view would keep the whole step's hidden states alive.
                 row.chunks.append(hidden[base:offset].clone())
-            if entry.pools_now:
+            if pools_now(entry):
                 states = torch.cat(row.chunks) if keep_all else hidden[offset - 1 : offset]
                 row.chunks = []
                 due.append((i, self._pool(states), row.params))

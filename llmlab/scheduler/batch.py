@@ -21,11 +21,10 @@ Execution answers with a :class:`BatchOutput`: per entry, a *list* of tokens wit
 log-probabilities (empty for a prefill chunk that scores nothing), so sampling several
 tokens per request (n > 1, beams, accepted speculative drafts) needs no contract change.
 
-A pooling request (``PoolingParams`` in its row's setup) is prefill only: each of its
-entries is marked ``pooling`` and scores nothing; the executor keeps what its pooler needs
-of each chunk's hidden states (per row), and answers the entry whose span reaches the end
-of the prompt with the pooled output (``BatchOutput.pooled``), after which the scheduler
-finishes the request and frees its blocks.
+A feature plugged in through :mod:`llmlab.plugin` (LoRA, pooling, a KV press, ...) adds
+no field here: its per-request data travels in the batch's ``sides[name]`` (request id ->
+plain data), and what its runner side returns in the output's ``sides[name]`` (one item per
+entry), as vLLM's ``SchedulerOutput`` carries each KV connector's metadata.
 """
 
 from __future__ import annotations
@@ -37,9 +36,11 @@ import attrs
 import numpy as np
 
 from llmlab.cache.transfers import KVTransfer
-from llmlab.lora.request import LoRARequest
 from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.params import SamplingParams
+from llmlab.validation import FrozenDict
+
+NO_SIDES: FrozenDict = FrozenDict()
 
 
 @attrs.frozen
@@ -54,15 +55,12 @@ class RowSetup:
             preemption, or re-sent after a failed step); the row's state starts from them
             (penalty counts, grammar position, the seeded stream's draw index).
         eos_token_ids: the ids that end it unless ``params.ignore_eos``.
-        lora: the row's LoRA adapter (a :class:`~llmlab.lora.request.LoRARequest`: plain
-            data, its name, id and path), or None for the base model.
     """
 
     params: SamplingParams | PoolingParams
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
-    lora: LoRARequest | None = None
 
 
 @attrs.frozen
@@ -75,42 +73,6 @@ class Fork:
     request_id: str
     row: int
     params: SamplingParams
-
-
-class PressStep(NamedTuple):
-    """A KV press's part in one entry (:mod:`llmlab.kvpress`): plain data.
-
-    Attributes:
-        capture_from: keep the queries of this span's positions from here on (the press
-            reads the most recent ones at its next compaction); -1: keep none.
-        budgets: when set, compact the row after this step's forward: each layer keeps
-            this many of its cached tokens (the KV written this step included).
-        targets: fresh blocks the kept tokens move into (their table replaces the row's
-            on success; on failure the row stays as it was).
-        context_len: the request's context after this step (what the budgets count).
-        is_prompt: the compaction follows the prompt (else a periodic one).
-        window: how many recent queries to keep per row (-1: every captured one).
-        in_place: ``targets`` are the row's own first blocks (a full pool): the executor
-            selects every layer's tokens before it writes any, so a failure leaves them
-            as they were.
-    """
-
-    capture_from: int = -1
-    budgets: tuple[int, ...] | None = None
-    targets: tuple[int, ...] = ()
-    context_len: int = 0
-    is_prompt: bool = True
-    window: int = 0
-    in_place: bool = False
-
-
-class CompactionResult(NamedTuple):
-    """How a row's compaction went: per layer the tokens kept (``kept``) of ``before``, or
-    why the press failed (``error``; the row then keeps its uncompressed blocks)."""
-
-    before: tuple[int, ...] = ()
-    kept: tuple[int, ...] = ()
-    error: str | None = None
 
 
 class ScheduledRequest(NamedTuple):
@@ -142,16 +104,6 @@ class ScheduledRequest(NamedTuple):
             num_lookahead`` tokens and reserved KV blocks for them); the executor returns
             the accepted draft tokens followed by one of the target's own. 0: no
             speculation.
-        pooling: the request pools its prompt instead of sampling (``num_scored`` is 0):
-            the executor keeps what its pooler needs of this span's hidden states, and
-            when the span ends the prompt (:attr:`pools_now`) returns the pooled output.
-        kv_dropped: positions no longer in the KV cache (a KV press compacted the row):
-            position ``p`` of the span is written at cache index ``p - kv_dropped``, and
-            attention reads ``start + len(token_ids) - kv_dropped`` cached tokens. The
-            positions themselves (rotary) stay the original ones.
-        kv_layer_shift: per layer, how many fewer tokens that layer holds than the
-            largest (a press with per-layer budgets); None when every layer holds as many.
-        kv_press: the KV press's capture and compaction for this entry, or None.
     """
 
     request_id: str
@@ -166,10 +118,6 @@ class ScheduledRequest(NamedTuple):
     prompt_logprobs_from: int = -1
     num_prompt_tokens: int = 0
     num_lookahead: int = 0
-    pooling: bool = False
-    kv_dropped: int = 0
-    kv_layer_shift: tuple[int, ...] | None = None
-    kv_press: PressStep | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -183,11 +131,6 @@ class ScheduledRequest(NamedTuple):
     @property
     def samples(self) -> bool:
         return self.num_scored > 0
-
-    @property
-    def pools_now(self) -> bool:
-        """A pooling entry whose span reaches the end of the prompt: its output is due."""
-        return self.pooling and self.start + len(self.token_ids) >= self.num_prompt_tokens
 
     @property
     def new_row(self) -> bool:
@@ -251,6 +194,8 @@ class ScheduledBatch:
             writes into it, and a move in precedes the forward that reads it. Every
             tensor-parallel rank applies them to its own shard. Empty unless swap
             preemption or the offload tier is on.
+        sides: per plugged-in feature (its ``name``), its data for this step's entries:
+            request id -> plain data (:mod:`llmlab.plugin`); read-only.
     """
 
     entries: tuple[ScheduledRequest, ...]
@@ -259,6 +204,11 @@ class ScheduledBatch:
     block_copies: tuple[tuple[int, int], ...] = ()
     admitted: tuple[Admission, ...] = ()
     kv_transfers: tuple[KVTransfer, ...] = ()
+    sides: FrozenDict = NO_SIDES
+
+    def side(self, name: str) -> Any:
+        """The feature ``name``'s side map (request id -> data), or None."""
+        return self.sides.get(name)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -341,11 +291,9 @@ class BatchOutput:
             more, so ``len(token_ids[i]) - 1`` were accepted, and their KV is computed.
             None when nothing was drafted. (An entry that drafted nothing may still return
             several tokens; their KV is computed in later steps.)
-        pooled: per entry, the pooled output (a 1-D float32 CPU tensor: an embedding,
-            class probabilities, a score) of an entry that :attr:`~ScheduledRequest.pools_now`,
-            else None; the whole field is None when no entry pooled.
-        compacted: per entry, the :class:`CompactionResult` of an entry whose ``kv_press``
-            asked for a compaction, else None; the whole field is None when none did.
+        sides: per plugged-in feature (its ``name``), what its runner side returned: one
+            item per entry (None where it has nothing), checked by the feature's scheduler
+            side (:meth:`~llmlab.plugin.SchedulerPlugin.check`).
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -356,8 +304,7 @@ class BatchOutput:
     forks: tuple[tuple[tuple[int, float, Any], ...], ...] | None = None
     failed: tuple[str | None, ...] | None = None
     num_drafted: tuple[int, ...] | None = None
-    pooled: tuple[Any, ...] | None = None
-    compacted: tuple[CompactionResult | None, ...] | None = None
+    sides: FrozenDict = NO_SIDES
 
     @classmethod
     def from_lists(
@@ -371,8 +318,8 @@ class BatchOutput:
 
     def check(self, batch: ScheduledBatch) -> None:
         """Raise ``ValueError`` unless this answers ``batch``: one token list per entry, one
-        sample per fork, and a pooled output exactly for the pooling entries that end
-        their prompts, which return no tokens (checked before anything moves)."""
+        sample per fork, one item per entry in each side (checked before anything moves;
+        each feature checks its own side's items)."""
         n = len(batch.entries)
         if len(self.token_ids) != n or len(self.logprobs) != n:
             raise ValueError(
@@ -385,18 +332,12 @@ class BatchOutput:
             raise ValueError(
                 f"executor returned {len(self.num_drafted)} draft counts for {n} entries"
             )
-        if self.pooled is not None and len(self.pooled) != n:
-            raise ValueError(f"executor returned {len(self.pooled)} pooled outputs for {n} entries")
-        if self.compacted is not None and len(self.compacted) != n:
-            raise ValueError(
-                f"executor returned {len(self.compacted)} compaction results for {n} entries"
-            )
-        all_pooled = self.pooled
+        for name, items in self.sides.items():
+            if len(items) != n:
+                raise ValueError(f"executor returned {len(items)} {name!r} items for {n} entries")
         for i, entry in enumerate(batch.entries):
             if self.failed is not None and self.failed[i] is not None:
                 continue  # a failed entry carries no tokens
-            if entry.pooling or all_pooled is not None:
-                self._check_pooling(i, entry)
             drafted = 0 if self.num_drafted is None else self.num_drafted[i]
             if not 0 <= drafted <= entry.num_lookahead or (
                 drafted and len(self.token_ids[i]) > 1 + drafted
@@ -413,18 +354,10 @@ class BatchOutput:
                     f"samples but the executor returned {got} samples for them"
                 )
 
-    def _check_pooling(self, i: int, entry: ScheduledRequest) -> None:
-        pooled = None if self.pooled is None else self.pooled[i]
-        if entry.pooling and (self.token_ids[i] or (pooled is None) == entry.pools_now):
-            raise ValueError(
-                f"pooling entry {entry.request_id!r} must return no tokens, and a pooled "
-                f"output exactly when its span ends the prompt (it "
-                f"{'does' if entry.pools_now else 'does not'}); the executor returned "
-                f"{len(self.token_ids[i])} tokens and "
-                f"{'no' if pooled is None else 'a'} pooled output"
-            )
-        if pooled is not None and not entry.pooling:
-            raise ValueError(
-                f"entry {entry.request_id!r} samples, but the executor returned a pooled "
-                "output for it"
-            )
+    def side(self, name: str) -> tuple[Any, ...] | None:
+        """What the feature ``name``'s runner side returned, one item per entry, or None."""
+        return self.sides.get(name)
+
+    def with_side(self, name: str, items: Sequence[Any]) -> BatchOutput:
+        """This output with the feature ``name``'s items (one per entry) added."""
+        return attrs.evolve(self, sides=FrozenDict({**self.sides, name: tuple(items)}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmlab.errors import ComponentError, RequestFailedError
+from llmlab.plugin import SchedulerPlugin
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.scheduler.policy import Served
@@ -35,6 +36,8 @@ class Lifecycle:
         """
         try:
             output.check(batch)
+            for plugin in self.plugins:
+                plugin.check(batch, output)
         except ValueError:
             self.resend_rows()  # the executor's row state may be ahead of ours
             raise
@@ -47,7 +50,10 @@ class Lifecycle:
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
         failures = output.failed
         drafted = output.num_drafted
-        compacted = output.compacted
+        # Each plugin's data for this step (its side maps in and out); committers are the
+        # plugins that override commit.
+        sides = [(p, batch.sides.get(p.name), output.sides.get(p.name)) for p in self.plugins]
+        committers = [s for s in sides if type(s[0]).commit is not SchedulerPlugin.commit]
         running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)
@@ -77,11 +83,13 @@ class Lifecycle:
                 cache_computed_blocks(request)  # only when a block filled up this step
             if prompt_logprobs is not None and prompt_logprobs[i]:
                 request.add_prompt_logprobs(output.prompt_logprobs_start[i], prompt_logprobs[i])
-            press = entry.kv_press
-            if press is not None and press.budgets is not None:
+            for plugin, sent_map, returned in sides:
                 # After the full blocks computed this step entered the prefix index (their
                 # KV is exact), before the forks take the request's blocks.
-                self._compacted(request, entry, compacted[i] if compacted else None)
+                sent = sent_map.get(entry.request_id) if sent_map else None
+                got = returned[i] if returned else None
+                if sent is not None or got is not None:
+                    plugin.settle(request, sent, got)
             if entry.forks and request.forks:
                 # Before the request's own token: a request that finishes now frees its
                 # blocks, and the forks take them by reference first.
@@ -100,12 +108,17 @@ class Lifecycle:
                     self._finish(request, status)
                     finished.append(request)
                     break
-            if entry.pooling and entry.pools_now:
-                # A pooling request is prefill only: its output is the pooled one, and it
-                # ends (blocks freed) as soon as its prompt is computed.
-                request.pooled = output.pooled[i]
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                finished.append(request)
+            for plugin, sent_map, returned in committers if request.status is running else ():
+                reason = plugin.commit(
+                    request, sent_map.get(entry.request_id) if sent_map else None,
+                    returned[i] if returned else None,
+                )
+                if reason is not None and reason is not False:
+                    if reason is not True:
+                        request.stop_reason = reason
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    finished.append(request)
+                    break
             if entry.num_lookahead and request.status is running:
                 # Keep the blocks of the tokens known now (the last one is written next
                 # step); blocks reserved for rejected or unproposed drafts go back.
@@ -120,23 +133,6 @@ class Lifecycle:
             self._forget(request)
         return finished
 
-    def _compacted(self, request: Request, entry, result) -> None:
-        """Apply a compaction's outcome: the reserved blocks become the request's table,
-        or go back (the press failed: the request goes on uncompressed)."""
-        press = entry.kv_press
-        kept = None if result is None or result.error is not None else tuple(result.kept)
-        if kept is not None and len(kept) == len(press.budgets) and all(
-            0 < k <= b for k, b in zip(kept, press.budgets, strict=True)
-        ):
-            self.kv.commit_compaction(request)
-            self.press.committed(request, press.context_len, result.before, kept)
-            return
-        self.kv.cancel_compaction(request)
-        reason = "the executor did not compact it" if result is None else (
-            result.error or f"kept {result.kept!r} for budgets {press.budgets!r}"
-        )
-        self.press.fail(request, reason, press.context_len)
-
     def _fan_out(self, leader: Request, samples) -> list[Request]:
         """Start the leader's parallel samples: each takes the leader's KV blocks by
         reference (the partly filled last block is copied when first written), a reserved
@@ -148,13 +144,11 @@ class Lifecycle:
             member.num_computed_tokens = leader.num_computed_tokens
             member.num_prompt_computed = leader.num_prompt_computed
             member.num_cached_tokens = leader.num_cached_tokens
-            # A compacted leader's blocks hold its KV press's selection; so do the forks'.
+            # A leader whose KV a feature rewrote (a KV press) shares it with its forks.
             member.kv_dropped = leader.kv_dropped
-            member.kv_layer_shift = leader.kv_layer_shift
             member.kv_compressed = leader.kv_compressed
-            member.kv_compacted_at = leader.kv_compacted_at
-            member.kv_press_error = leader.kv_press_error
-            member.kv_keep = leader.kv_keep
+            for plugin in self.plugins:
+                plugin.forked(leader, member)
             member.status = RequestStatus.RUNNING
             member.row = row
             member.seq = self._next_seq
@@ -234,8 +228,11 @@ class Lifecycle:
                 swapped = self.kv.is_swapped(request)
         if not swapped:  # recompute (the default, and the fallback when swap is full)
             request.num_computed_tokens = 0
-            request.reset_kv_press()  # recomputed in full, then compacted again
+            request.kv_dropped = 0  # recomputed in full
+            request.kv_compressed = False
             self._free_blocks(request)
+        for plugin in self.plugins:
+            plugin.preempted(request, recomputed=not swapped)
         self._waiting[request.request_id] = request
         self._push(request, now)
 

@@ -32,6 +32,7 @@ import attrs
 
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError
+from llmlab.plugin import SchedulerPlugin, StepPlan
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.batch import (
     Admission,
@@ -51,6 +52,7 @@ from llmlab.scheduler.policy import (
     views,
 )
 from llmlab.scheduler.rows import Rows
+from llmlab.validation import FrozenDict
 
 # What ``_call`` returns when the policy raised (None may be a legitimate answer).
 _FAILED = object()
@@ -72,19 +74,13 @@ class Scheduler(Lifecycle):
             ``1 + k`` tokens and reserves their KV blocks (never preempting for a draft:
             when they do not fit, the request decodes plainly), and after verification
             keeps the accepted tokens' KV and returns the blocks past them.
-        max_loras: the most distinct LoRA adapters among running requests (so in any
-            step); None: no limit. A waiting request whose adapter would exceed it is
-            handed back like one that does not fit, and admission stops there until a
-            running adapter's requests finish (FCFS order keeps it from starving);
-            nothing is preempted for it.
         preemption_mode: ``"recompute"`` (a victim's blocks are freed and its tokens
             recomputed on resumption) or ``"swap"`` (its computed blocks are copied to the
             KV cache manager's swap space and back on resumption; recompute when that is
-            full, or for pooling requests). A policy's optional ``preemption_mode(victim)``
-            may choose per victim. A request a KV press compacted always recomputes.
-        press: the KV press's scheduling side
-            (:class:`~llmlab.kvpress.schedule.PressSchedule`), or None: each entry gets
-            its capture and compaction, and compacted requests their KV offsets.
+            full, or when a plugin says so). A policy's optional
+            ``preemption_mode(victim)`` may choose per victim.
+        plugins: the features plugged in (:class:`~llmlab.plugin.SchedulerPlugin`: LoRA's
+            adapter limit, pooling, a KV press, ...), bound here, called in order.
     """
 
     kv: KVCacheManager
@@ -94,9 +90,8 @@ class Scheduler(Lifecycle):
     policy: SchedulingPolicy = attrs.field(factory=FCFS)
     chunked_prefill: bool = True
     speculation: Any = None
-    max_loras: int | None = None
     preemption_mode: str = "recompute"
-    press: Any = None
+    plugins: tuple[SchedulerPlugin, ...] = ()
     running: list[Request] = attrs.field(factory=list)
     # Requests waiting (queued in the policy, or popped during this step's admission).
     _waiting: dict[str, Request] = attrs.field(init=False, factory=dict)
@@ -123,6 +118,15 @@ class Scheduler(Lifecycle):
                 lambda: len(self._waiting), lambda: views(self.running),
             )
             attach(view)  # at build time: a failure here is the builder's error
+        names = [p.name for p in self.plugins]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two plugins share a name: {names}")
+        for plugin in self.plugins:
+            plugin.bind(self)
+
+    def plugin(self, name: str) -> SchedulerPlugin | None:
+        """The plugged-in feature called ``name``, or None."""
+        return next((p for p in self.plugins if p.name == name), None)
 
     # -- queues ------------------------------------------------------------------------
 
@@ -131,8 +135,8 @@ class Scheduler(Lifecycle):
         request.status = RequestStatus.WAITING
         request.seq = self._next_seq
         self._next_seq += 1
-        if self.press is not None:
-            request.kv_keep = self.press.keep_for(request)
+        for plugin in self.plugins:
+            plugin.added(request)
         self._waiting[request.request_id] = request
         self._push(request, request.arrival_time)
 
@@ -158,10 +162,8 @@ class Scheduler(Lifecycle):
 
     def schedule(self, now: float) -> ScheduledBatch:
         self._now = now
-        if self.press is not None:
-            # Reservations of a step whose outputs never came back (it failed): planned
-            # again below.
-            self.kv.cancel_compactions()
+        for plugin in self.plugins:
+            plugin.begin_step()
         if self._unqueued:
             stranded, self._unqueued = self._unqueued, []
             for request in stranded:
@@ -190,18 +192,23 @@ class Scheduler(Lifecycle):
                 entries.append(self._entry(request, num_new, new_row=False))
                 budget -= num_new
 
-        pressed: set[str] = set()
-        if self.press is not None and entries and not self._errors:
-            # Compactions of running requests reserve their blocks before admission: each
-            # gives back more than it takes, so they go first when blocks are short.
-            self._press_steps(entries, pressed)
+        sides: dict[str, dict[str, Any]] = {}
+        planned: set[str] = set()
+        if self.plugins and entries and not self._errors:
+            # The running requests' plans reserve first (a KV press's compaction gives back
+            # more blocks than it takes, so it goes before admission when blocks are short).
+            self._plan(entries, planned, sides, "running")
         # A step that had to preempt is short of memory: admitting more would only thrash.
         if not preempted and not self._errors:
             budget = self._admit(entries, budget, preempted, now)
         if drafting and not preempted and not self._errors:
             self._extend(entries, drafting, budget)
-        if self.press is not None and len(entries) > len(pressed) and not self._errors:
-            self._press_steps(entries, pressed)  # the admitted requests'
+        if self.plugins and not self._errors:
+            self._plan(entries, planned, sides, "admitted")
+            if preempted:  # a victim's entry left the batch: so does its plugins' data
+                ids = {e.request_id for e in entries}
+                sides = {k: {r: v for r, v in side.items() if r in ids}
+                         for k, side in sides.items()}
         freed = self._rows.drain_released()
         return ScheduledBatch(
             entries=tuple(entries),
@@ -210,24 +217,25 @@ class Scheduler(Lifecycle):
             kv_transfers=tuple(self.kv.take_transfers()),
             block_copies=tuple(self.kv.take_block_copies()),
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
+            sides=FrozenDict({k: FrozenDict(v) for k, v in sides.items() if v}),
         )
 
-    def _press_steps(self, entries: list[ScheduledRequest], done: set[str]) -> None:
-        """The KV press's capture and compaction of the entries not in ``done`` (their ids
-        join it; a compaction's blocks are reserved after every running request grew)."""
-        press = self.press
-        for i, entry in enumerate(entries):
-            if entry.request_id in done:
-                continue
-            done.add(entry.request_id)
-            request = self._scheduled[entry.request_id]
+    def _plan(self, entries: list[ScheduledRequest], planned: set[str],
+              sides: dict[str, dict[str, Any]], phase: str) -> None:
+        """Each plugin's side map for the entries not yet ``planned`` (their ids join it)."""
+        todo = [e for e in entries if e.request_id not in planned]
+        if not todo:
+            return
+        planned.update(e.request_id for e in todo)
+        plan = StepPlan(todo, self._scheduled, self.kv, phase)
+        for plugin in self.plugins:
             try:
-                step = press.step(request, entry.start, entry.start + len(entry.token_ids), self.kv)
+                side = plugin.plan(plan)
             except ComponentError as err:  # the eviction policy failed reserving blocks
                 self._errors.append(err)
                 return
-            if step is not None:
-                entries[i] = entry._replace(kv_press=step)
+            if side:
+                sides.setdefault(plugin.name, {}).update(side)
 
     def _lookahead(self, running) -> dict[str, int] | None:
         """Each running decode's speculative lookahead this step, from the length policy
@@ -389,8 +397,8 @@ class Scheduler(Lifecycle):
                 if not verdict:
                     handed_back.append(request)
                     continue
-            if self.max_loras is not None and self._lora_blocked(request):
-                handed_back.append(request)  # its adapter would exceed max_loras
+            if not all(p.admissible(request, self.running) for p in self.plugins):
+                handed_back.append(request)  # a feature holds it back (LoRA's max_loras)
                 break
             placed, budget = self._place(
                 request, entries, budget, preempted, admitted_now, preempt_for, now
@@ -432,10 +440,10 @@ class Scheduler(Lifecycle):
                 # tier past the device's (loaded back by allocate).
                 prefix = self.kv.lookup_prefix(request)
                 offloaded = self.kv.lookup_offloaded(request, len(prefix))
-                limit = self.press.prefix_limit(request) if self.press is not None else None
+                limit = self._prefix_limit(request)
                 if limit is not None:
-                    # The press reads the queries of the prompt's last positions: those
-                    # are computed even when cached.
+                    # E.g. a KV press reads the queries of the prompt's last positions:
+                    # those are computed even when cached.
                     num_blocks = limit // self.kv.block_size
                     prefix = prefix[:num_blocks]
                     offloaded = offloaded[: max(0, num_blocks - len(prefix))]
@@ -510,14 +518,9 @@ class Scheduler(Lifecycle):
         entries.append(self._entry(request, num_new, new_row=True))
         return True, budget - num_new
 
-    def _lora_blocked(self, request: Request) -> bool:
-        """Whether admitting ``request`` would put more than ``max_loras`` distinct LoRA
-        adapters among the running requests."""
-        lora = request.lora_request
-        if lora is None:
-            return False
-        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        return lora.lora_int_id not in running and len(running) >= self.max_loras
+    def _prefix_limit(self, request: Request) -> int | None:
+        limits = [p.prefix_limit(request) for p in self.plugins]
+        return min((x for x in limits if x is not None), default=None)
 
     def _entry(self, request: Request, num_new: int, *, new_row: bool) -> ScheduledRequest:
         """The request's share of the step, as plain data (see :mod:`.batch`)."""
@@ -535,7 +538,6 @@ class Scheduler(Lifecycle):
                 tuple(request.prompt_token_ids),
                 tuple(request.output_token_ids),
                 request.eos_token_ids,
-                request.lora_request,
             )
         blocks_from, blocks = self.kv.table_delta(rid, whole=setup is not None)
         forks = ()
@@ -548,26 +550,25 @@ class Scheduler(Lifecycle):
             for f in request.forks:
                 self._scheduled[f.request_id] = f
         if pooling is not None:
-            # Prefill only: nothing is sampled; the executor pools the prompt's hidden
-            # states and answers the entry that ends the prompt.
+            # Prefill only: nothing is sampled (the pooling plugin answers the entry that
+            # ends the prompt with the pooled output).
             return ScheduledRequest(
                 rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
                 blocks, 0, setup, num_prompt_tokens=len(request.prompt_token_ids),
-                pooling=True,
             )
         return ScheduledRequest(
             rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
             blocks, 1 if scored else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
             len(request.prompt_token_ids),
-            kv_dropped=request.kv_dropped, kv_layer_shift=request.kv_layer_shift,
         )
 
     def _preemption_mode(self, request: Request) -> str:
         """``"swap"`` or ``"recompute"`` for a victim: the engine's mode, unless the
-        policy's optional ``preemption_mode(victim)`` names one. A pooling request always
-        recomputes (its pooler's per-row state does not survive the row)."""
-        if request.pooling_params is not None or request.kv_compressed:
+        policy's optional ``preemption_mode(victim)`` names one. A plugin may insist on
+        recomputing (a pooler's per-row state does not survive the row; a KV press's
+        selection is recomputed in full)."""
+        if any(p.recompute_only(request) for p in self.plugins):
             return "recompute"
         mode = self.preemption_mode
         if self._optional("preemption_mode") is not None:
@@ -589,8 +590,11 @@ class Scheduler(Lifecycle):
             self._unqueued.append(request)
 
     def _forget(self, request: Request) -> None:
-        """Tell the policy a request is gone for good (its queue entry, if any, too)."""
+        """Tell the policy a request is gone for good (its queue entry, if any, too), and
+        the plugins."""
         self._call("remove", request.view)
+        for plugin in self.plugins:
+            plugin.finished(request)
 
     def _optional(self, method: str):
         """The policy's optional ``method`` (looked up on the policy as given, too)."""

@@ -26,7 +26,9 @@ from llmlab import (
     register,
 )
 from llmlab.errors import ComponentError
+from llmlab.runner.pooling_rows import PoolingSchedule, pools_now
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.validation import FrozenDict
 from llmlab.testing import build_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -438,26 +440,39 @@ def test_classify_on_an_embedding_model_and_score_with_several_labels_are_refuse
 
 def _entry(**kwargs):
     fields = dict(request_id="p", row=0, start=0, token_ids=(1, 2, 3), blocks_from=0,
-                  blocks=(0,), num_scored=0, num_prompt_tokens=3, pooling=True)
+                  blocks=(0,), num_scored=0, num_prompt_tokens=3)
     fields.update(kwargs)
     return ScheduledRequest(**fields)
 
 
+def _batch(entry, pooling=True):
+    """A batch of one entry, marked as pooling in the pooling plugin's side map."""
+    sides = FrozenDict({"pooling": FrozenDict({entry.request_id: True})} if pooling else {})
+    return ScheduledBatch((entry,), sides=sides)
+
+
+def _check(output, batch):
+    """The contract's check and the pooling plugin's, as the scheduler runs them."""
+    output.check(batch)
+    PoolingSchedule().check(batch, output)
+
+
 def test_batch_output_check_holds_pooling_entries_to_the_contract():
-    final = ScheduledBatch((_entry(),))
-    partial = ScheduledBatch((_entry(num_prompt_tokens=10),))
+    final = _batch(_entry())
+    partial = _batch(_entry(num_prompt_tokens=10))
     vector = torch.zeros(4)
-    BatchOutput(((),), ((),), pooled=(vector,)).check(final)
-    BatchOutput.empty(1).check(partial)
+    pooled = BatchOutput(((),), ((),)).with_side("pooling", (vector,))
+    _check(pooled, final)
+    _check(BatchOutput.empty(1), partial)
     with pytest.raises(ValueError, match="pooled output exactly when its span ends the prompt"):
-        BatchOutput.empty(1).check(final)  # the output is due
+        _check(BatchOutput.empty(1), final)  # the output is due
     with pytest.raises(ValueError, match="pooled output exactly when"):
-        BatchOutput(((),), ((),), pooled=(vector,)).check(partial)  # not yet
+        _check(pooled, partial)  # not yet
     with pytest.raises(ValueError, match="must return no tokens"):
-        BatchOutput(((5,),), ((0.0,),), pooled=(vector,)).check(final)
-    sampling = ScheduledBatch((_entry(pooling=False, num_scored=1),))
+        _check(BatchOutput(((5,),), ((0.0,),)).with_side("pooling", (vector,)), final)
+    sampling = _batch(_entry(num_scored=1), pooling=False)
     with pytest.raises(ValueError, match="samples, but the executor returned a pooled output"):
-        BatchOutput(((5,),), ((0.0,),), pooled=(vector,)).check(sampling)
+        _check(BatchOutput(((5,),), ((0.0,),)).with_side("pooling", (vector,)), sampling)
 
 
 def test_pooling_batches_are_plain_picklable_data(tiny_model_factory):
@@ -466,7 +481,8 @@ def test_pooling_batches_are_plain_picklable_data(tiny_model_factory):
     engine.add_request("p", LONG, PoolingParams(dimensions=8))
     batch = engine.scheduler.schedule(0.0)
     entry = batch.entries[0]
-    assert entry.pooling and entry.num_scored == 0 and not entry.pools_now
+    assert batch.side("pooling") == {"p": True}
+    assert entry.num_scored == 0 and not pools_now(entry)
     assert isinstance(entry.setup.params, PoolingParams) and entry.setup.params.task == "embed"
     assert pickle.loads(pickle.dumps(batch)) == batch
     engine.abort_request("p")

@@ -59,7 +59,7 @@ def test_engine_with_adapters_and_decode_graphs_on_cuda(tiny_llama, adapter_fact
     ]
     llm = LLM(tiny_llama, device="cuda", dtype="float32", enable_lora=True, max_loras=2)
     runner = llm.llm_engine.executor
-    assert runner.lora.kernel == "triton"
+    assert runner.plugin("lora").kernel == "triton"
     eager = LLM(tiny_llama, device="cuda", dtype="float32", enforce_eager=True)
     base_first = greedy(llm, prompts)  # pure decode steps replay graphs
     assert base_first == greedy(eager, prompts)

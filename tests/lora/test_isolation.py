@@ -119,7 +119,7 @@ def test_a_broken_adapter_in_the_batch_changes_no_other_request(tiny_llama, adap
             a.copy_(_signs(a) * 1e38)
             b[0, 0] = math.nan
     mixed = _greedy(llm, prompts, loras)
-    slots = llm.llm_engine.executor.lora
+    slots = llm.llm_engine.executor.plugin("lora")
     module = next(iter(slots.modules.values()))
     assert module.lora_a[slots.slots[broken.lora_int_id]].abs().max() == 1e38  # it ran
     assert {i: mixed[i] for i in victims} == solo

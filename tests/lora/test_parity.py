@@ -100,7 +100,7 @@ def test_the_triton_kernels_give_hf_peft_tokens(tiny_llama, adapter_factory):
     """The engine with the SGMV kernels (CUDA's default; Triton's interpreter here)."""
     pytest.importorskip("triton")
     llm = LLM(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8)
-    llm.llm_engine.executor.lora.kernel = "triton"
+    llm.llm_engine.executor.plugin("lora").kernel = "triton"
     adapters = [
         LoRARequest("t1", 1, adapter_factory(tiny_llama, "llama-a", r=8)),
         LoRARequest("t2", 2, adapter_factory(tiny_llama, "llama-t2", r=4, seed=7)),
