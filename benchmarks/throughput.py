@@ -665,7 +665,7 @@ _STAGES = (
     ("update", "scheduler", "update"),
     ("text", "outputs", "stop_string"),
     ("outputs", "outputs", "outputs"),
-    ("events", "module:llmlab.engine.engine", "step_event"),
+    ("events", "module:llmlab.observe.observable", "step_event"),
     ("observers", "module:llmlab.engine.engine", "notify"),
 )
 

@@ -49,6 +49,15 @@ class SchedulerPlugin:
         hands it back and stops admission for this step (it keeps its place)."""
         return True
 
+    def lookahead(self, decodes: Sequence[Request], num_running: int) -> Sequence[int] | None:
+        """For the running decodes (one new token each this step, in order), the most extra
+        tokens the executor may compute after each one's token (speculative drafts: ints
+        >= 0), or None. The scheduler trims them to each request's length limits and
+        reserves what the step leaves (budget and KV blocks, never preempting): the
+        entry's ``num_lookahead``. Raise ``ComponentError`` for a bad answer of user code
+        (the step then runs without lookahead, and the error is raised after it)."""
+        return None
+
     def prefix_limit(self, request: Request) -> int | None:
         """The most prompt tokens a prefix-cache hit may cover for ``request`` (None: no
         limit; 0: no hit at all)."""

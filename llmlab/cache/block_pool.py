@@ -18,38 +18,32 @@ the candidates. The policy is user code, so every call into it is guarded: a pol
 that raises is assumed to have changed nothing, and the pool makes its own state match that
 assumption before raising :class:`~llmlab.errors.ComponentError`. Assigning a new policy
 (``pool.eviction = LRUEviction()``) hands it every current candidate, which restores
-agreement whatever a failed policy did.
+agreement whatever a failed policy did. What the pool checks (the ids callers pass, the
+policy's answers, its invariants) is in :mod:`llmlab.cache.pool_checks`, a mixin.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
 
 from llmlab.cache.eviction import EvictionPolicy
+from llmlab.cache.pool_checks import POLICY_KIND, PoolChecks, at_least_one, shown_ids
 from llmlab.errors import ComponentError
 
-_KIND = "eviction policy"
 # Below this many ids a Python loop over memoryviews beats numpy's fixed cost per call
 # (~1 us each); above it, one vectorized call per step wins. Typical batches (a request's
 # blocks) are small; a long prefill or a pool-wide fill is large.
 VECTOR_MIN_IDS = 64
 
 
-def _at_least_one(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
 # No attrs hooks on assignment: counters change on every call, and a hook would put a
 # Python-level __setattr__ in the hot path. ``num_blocks`` is fixed after construction.
 @attrs.define(on_setattr=attrs.setters.NO_OP)
-class BlockPool:
+class BlockPool(PoolChecks):
     """``num_blocks`` KV blocks with reference counts, cached flags and a free list.
 
     Prefix-cache bookkeeping (which hash names which block) lives in
@@ -58,7 +52,7 @@ class BlockPool:
     policy call) so the index forgets them at once.
     """
 
-    num_blocks: int = attrs.field(validator=_at_least_one)
+    num_blocks: int = attrs.field(validator=at_least_one)
     _eviction: EvictionPolicy = attrs.field(alias="eviction")
     on_drop: Callable[[list[int]], None] | None = None
     ref_counts: np.ndarray = attrs.field(init=False, repr=False)
@@ -95,7 +89,7 @@ class BlockPool:
                 policy.on_free(candidates)
             except Exception as err:
                 self._drop_to_empty(candidates)
-                raise ComponentError.wrap(_KIND, policy, "on_free", err) from err
+                raise ComponentError.wrap(POLICY_KIND, policy, "on_free", err) from err
 
     # -- queries -------------------------------------------------------------------------
 
@@ -156,7 +150,7 @@ class BlockPool:
 
         The policy hears of the hit first; if it raises, nothing changed here.
         """
-        ids = self._checked_ids(block_ids)
+        ids = self._checked_ids(block_ids, VECTOR_MIN_IDS)
         if ids is None:
             refs, cached = self._refs, self._cached_flags
             for block_id in block_ids:
@@ -169,12 +163,12 @@ class BlockPool:
         try:
             self._eviction.on_hit(list(block_ids))
         except Exception as err:
-            raise ComponentError.wrap(_KIND, self._eviction, "on_hit", err) from err
+            raise ComponentError.wrap(POLICY_KIND, self._eviction, "on_hit", err) from err
         self._num_cached_free -= self._add_refs(block_ids, ids, 1)
 
     def share(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on blocks already in use (a fork); no policy involved."""
-        ids = self._checked_ids(block_ids)
+        ids = self._checked_ids(block_ids, VECTOR_MIN_IDS)
         self._require_in_use(block_ids, ids, "shared")
         self._add_refs(block_ids, ids, 1)
 
@@ -186,7 +180,7 @@ class BlockPool:
         candidates through one ``on_free`` call; if it raises, they are freed as empty
         instead (uncached, ``on_drop`` told) and ``ComponentError`` is raised.
         """
-        ids = self._checked_ids(block_ids)
+        ids = self._checked_ids(block_ids, VECTOR_MIN_IDS)
         self._require_in_use(block_ids, ids, "released")
         self._add_refs(block_ids, ids, -1)
         if ids is None:
@@ -207,15 +201,15 @@ class BlockPool:
                 self._eviction.on_free(candidates)
             except Exception as err:
                 self._drop_to_empty(candidates)
-                raise ComponentError.wrap(_KIND, self._eviction, "on_free", err) from err
+                raise ComponentError.wrap(POLICY_KIND, self._eviction, "on_free", err) from err
         return freed
 
     def mark_cached(self, block_ids: Sequence[int]) -> None:
         """Flag in-use blocks as holding indexed content (they become candidates once freed)."""
-        ids = self._checked_ids(block_ids)
+        ids = self._checked_ids(block_ids, VECTOR_MIN_IDS)
         self._require_in_use(block_ids, ids, "marked cached")
         if self._num_flagged(block_ids, ids) != 0:
-            raise RuntimeError(f"a block among {_shown(block_ids)} is cached already")
+            raise RuntimeError(f"a block among {shown_ids(block_ids)} is cached already")
         self._set_flags(self.cached, self._cached_flags, block_ids, True)
 
     def drop_cached(self, block_ids: Sequence[int]) -> None:
@@ -224,77 +218,15 @@ class BlockPool:
         Only blocks in use: a candidate's place is the policy's, which has no call to remove
         one without a hit.
         """
-        ids = self._checked_ids(block_ids)
+        ids = self._checked_ids(block_ids, VECTOR_MIN_IDS)
         self._require_in_use(block_ids, ids, "dropped from the cache")
         if self._num_flagged(block_ids, ids) != len(block_ids):
-            raise RuntimeError(f"a block among {_shown(block_ids)} is not cached")
+            raise RuntimeError(f"a block among {shown_ids(block_ids)} is not cached")
         self._set_flags(self.cached, self._cached_flags, block_ids, False)
         if self.on_drop is not None:
             self.on_drop(list(block_ids))
 
-    # -- invariants ----------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant (O(num_blocks))."""
-        refs, cached = self.ref_counts, self.cached
-        if (refs < 0).any():
-            raise AssertionError(f"negative ref counts at blocks {np.flatnonzero(refs < 0)[:8]}")
-        unused = slice(self._next_unused, None)
-        if refs[unused].any() or cached[unused].any():
-            raise AssertionError(f"a block at or above next_unused={self._next_unused} is used")
-        returned = list(self._returned_empty)
-        if len(set(returned)) != len(returned):
-            raise AssertionError("the returned-empty list holds a block twice")
-        if returned:
-            ids = np.asarray(returned)
-            if ids.min() < 0 or ids.max() >= self._next_unused:
-                raise AssertionError(f"returned-empty ids outside [0, {self._next_unused})")
-            if refs[ids].any() or cached[ids].any():
-                raise AssertionError("a block on the returned-empty list is in use or cached")
-        idle = refs == 0
-        num_empty = int(np.count_nonzero(idle & ~cached))
-        if num_empty != self.num_empty_blocks:
-            raise AssertionError(f"{num_empty} empty blocks, counted {self.num_empty_blocks}")
-        num_cached_free = int(np.count_nonzero(idle & cached))
-        if num_cached_free != self._num_cached_free:
-            raise AssertionError(
-                f"{num_cached_free} cached free blocks, counted {self._num_cached_free}"
-            )
-
     # -- internals -----------------------------------------------------------------------
-
-    def _checked_ids(self, block_ids: Sequence[int]) -> np.ndarray | None:
-        """Check that ``block_ids`` are distinct and in range (``ValueError`` if not).
-
-        Returns them as an array for the vectorized path, or None for a small batch, which
-        the callers walk in Python.
-        """
-        n = len(block_ids)
-        if n == 0:
-            return None
-        if n < VECTOR_MIN_IDS:
-            ids = None
-            lowest, highest, num_distinct = min(block_ids), max(block_ids), len(set(block_ids))
-        else:
-            ids = np.asarray(block_ids, dtype=np.int64)
-            lowest, highest, num_distinct = ids.min(), ids.max(), _num_distinct(ids)
-        if lowest < 0 or highest >= self.num_blocks:
-            raise ValueError(
-                f"block ids must lie in [0, {self.num_blocks}), got {_shown(block_ids)}"
-            )
-        if num_distinct != n:
-            raise ValueError(f"block ids must be distinct, got {_shown(block_ids)}")
-        return ids
-
-    def _require_in_use(self, block_ids: Sequence[int], ids: np.ndarray | None, verb: str) -> None:
-        if ids is None:
-            refs = self._refs
-            for block_id in block_ids:
-                if refs[block_id] <= 0:
-                    raise RuntimeError(f"block {block_id} {verb} with ref count 0")
-        elif (self.ref_counts[ids] <= 0).any():
-            bad = ids[self.ref_counts[ids] <= 0][0]
-            raise RuntimeError(f"block {bad} {verb} with ref count 0")
 
     def _add_refs(self, block_ids: Sequence[int], ids: np.ndarray | None, delta: int) -> int:
         """Add ``delta`` to each ref count; returns how many were 0 before."""
@@ -345,85 +277,13 @@ class BlockPool:
             self.on_drop(candidates)
 
     def _evict(self, n: int) -> list[int]:
-        """``n`` candidates from the policy, checked; ``ComponentError`` if it fails.
-
-        On a bad answer, the valid candidates it did return (which it no longer tracks) are
-        dropped to empty, so pool and policy still agree on the candidates.
-        """
+        """``n`` candidates from the policy, checked; ``ComponentError`` if it fails (see
+        ``_checked_eviction``)."""
         policy = self._eviction
         try:
             answer = list(policy.evict(n))
         except Exception as err:
-            raise ComponentError.wrap(_KIND, policy, "evict", err) from err
+            raise ComponentError.wrap(POLICY_KIND, policy, "evict", err) from err
         if n >= VECTOR_MIN_IDS and self._is_valid_eviction_vectorized(answer, n):
             return [int(block_id) for block_id in answer]
-        problem, valid = self._check_eviction(answer, n)
-        if problem is None:
-            return valid
-        if valid:
-            self._drop_to_empty(valid)
-        raise ComponentError(
-            _KIND,
-            policy,
-            "evict",
-            f"evict({n}) must return {n} distinct ids of cached free blocks, got "
-            f"{_shown(answer)}: {problem}",
-        )
-
-    def _is_valid_eviction_vectorized(self, answer: list, n: int) -> bool:
-        try:
-            ids = np.asarray(answer)
-        except (TypeError, ValueError):
-            return False
-        return bool(
-            len(answer) == n
-            and ids.dtype.kind in "iu"
-            and ids.ndim == 1
-            and ids.min() >= 0
-            and ids.max() < self.num_blocks
-            and _num_distinct(ids) == n
-            and self.cached[ids].all()
-            and not self.ref_counts[ids].any()
-        )
-
-    def _check_eviction(self, answer: list, n: int) -> tuple[str | None, list[int]]:
-        """``(problem or None, valid candidates in answer)`` for an answer to ``evict(n)``."""
-        problems: list[str] = []
-        valid: list[int] = []
-        seen: set[int] = set()
-        refs, cached = self._refs, self._cached_flags
-        for item in answer:
-            if isinstance(item, bool | np.bool_):
-                problems.append(f"{item!r} is not a block id")
-                continue
-            try:
-                block_id = operator.index(item)
-            except TypeError:
-                problems.append(f"{item!r} is not a block id")
-                continue
-            if not 0 <= block_id < self.num_blocks:
-                problems.append(f"block {block_id} is outside [0, {self.num_blocks})")
-            elif block_id in seen:
-                problems.append(f"block {block_id} appears twice")
-            elif refs[block_id] > 0:
-                problems.append(f"block {block_id} is in use (ref count {refs[block_id]})")
-            elif not cached[block_id]:
-                problems.append(f"block {block_id} is not cached")
-            else:
-                valid.append(block_id)
-            seen.add(block_id)
-        if len(answer) != n:
-            problems.insert(0, f"{len(answer)} ids instead of {n}")
-        return (problems[0] if problems else None), valid
-
-
-def _num_distinct(ids: np.ndarray) -> int:
-    """Distinct values in ``ids``; sorting beats ``np.unique``'s hash table on large ids."""
-    ordered = np.sort(ids)
-    return int(np.count_nonzero(ordered[1:] != ordered[:-1])) + (ordered.size > 0)
-
-
-def _shown(block_ids: Iterable) -> list:
-    """At most 8 ids, for messages about batches that may hold millions."""
-    shown = list(itertools.islice(block_ids, 9))
-    return shown if len(shown) <= 8 else [*shown[:8], "..."]
+        return self._checked_eviction(answer, n)

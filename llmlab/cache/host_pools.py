@@ -5,7 +5,7 @@ Both are :class:`~llmlab.cache.block_pool.BlockPool`\\ s of their own, with thei
 guarded eviction policy) is the device pool's. The KV tensors behind them live with the
 executor (``llmlab.cache.kv_tensors.HostKVCaches``); what crosses over is a list of
 :class:`~llmlab.cache.transfers.KVTransfer`\\ s that the
-:class:`~llmlab.cache.kv_cache_manager.KVCacheManager` records.
+:class:`~llmlab.cache.kv_cache_manager.KVCacheManager` records (:mod:`llmlab.cache.tiers`).
 
 * :class:`SwapSpace` (``preemption_mode="swap"``, ``swap_space`` GiB): a preempted
   request's computed blocks are copied here and its device blocks freed; on resumption
@@ -32,12 +32,8 @@ import numpy as np
 
 from llmlab.cache.block_pool import BlockPool
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
+from llmlab.cache.pool_checks import at_least_one
 from llmlab.cache.prefix_index import PrefixIndex
-
-
-def _at_least_one(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
 @attrs.define(on_setattr=attrs.setters.NO_OP)
@@ -45,7 +41,7 @@ class SwapSpace:
     """Host blocks of swapped-out requests: ``take`` on swap-out, ``give_back`` on swap-in
     or abort. Each request's host table lists its blocks in position order."""
 
-    num_blocks: int = attrs.field(validator=_at_least_one)
+    num_blocks: int = attrs.field(validator=at_least_one)
     pool: BlockPool = attrs.field(init=False, repr=False)
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict, repr=False)
 
@@ -118,7 +114,7 @@ class OffloadTier:
             eviction policy works, as on the device pool.
     """
 
-    num_blocks: int = attrs.field(validator=_at_least_one)
+    num_blocks: int = attrs.field(validator=at_least_one)
     _initial_eviction: EvictionPolicy = attrs.field(
         factory=LRUEviction, alias="eviction", repr=False
     )

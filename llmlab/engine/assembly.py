@@ -47,6 +47,7 @@ from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import SchedulingPolicy, as_policy
 from llmlab.scheduler.scheduler import Scheduler
+from llmlab.speculative.schedule import SpeculationSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def assemble(
     scheduler = scheduler_for(
         cfg, rank.num_blocks, plan.max_model_len, policy, eviction,
         **host_pools(rank.runner.host_kv, offload_eviction), plugins=scheduling,
+        speculation=rank.length,
     )
     executor = rank.runner
     if workers is not None:
@@ -151,9 +153,8 @@ def plugin_of(value: Any) -> SchedulerPlugin | RunnerPlugin:
 def engine_fields(cfg: EngineConfig, scheduler: Scheduler, executor: Any, length: Any,
                   **fields: Any) -> dict[str, Any]:
     """The ``Engine`` keyword arguments for a scheduler and an executor (the real runner's
-    or the simulator's), with the speculative length policy ``length`` (or None) given to
-    the scheduler and, when it learns from step events, subscribed to them."""
-    scheduler.speculation = length
+    or the simulator's); the speculative length policy ``length`` (or None), when it
+    learns from step events, is subscribed to them."""
     observers = []
     if callable(getattr(length, "observe", None)):
         observers.append(length.observe)  # an adaptive length learns from step events
@@ -283,12 +284,16 @@ def scheduler_for(
     swap: Any = None,
     tier: Any = None,
     plugins: Sequence[SchedulerPlugin] = (),
+    speculation: Any = None,
 ) -> Scheduler:
     """The KV cache manager and scheduler an engine of ``cfg`` runs (real or simulated);
     ``swap`` / ``tier``: its host pools' bookkeeping (``llmlab.cache.host_pools``);
-    ``plugins``: features' scheduler sides (LoRA's, from the config, is added here)."""
+    ``plugins``: features' scheduler sides (LoRA's, from the config, and speculation's,
+    from the length policy ``speculation``, are added here)."""
     if cfg.enable_lora:
         plugins = (LoRASchedule(cfg.max_loras), *plugins)
+    if speculation is not None:
+        plugins = (*plugins, SpeculationSchedule(speculation))
     kv = KVCacheManager(
         num_blocks=num_blocks,
         block_size=cfg.block_size,

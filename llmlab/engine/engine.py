@@ -20,44 +20,39 @@ observer that raises is logged and skipped; steps are serialized across threads.
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Hashable, Iterable
 from typing import Any
 
 import attrs
 
-from llmlab.cache.kv_cache_manager import BlockEvents
 from llmlab.config import EngineConfig
 from llmlab.engine.assembly import assemble
 from llmlab.observe.events import (
     Arrival,
-    EngineSnapshot,
     StepEvent,
     StepObserver,
     notify,
-    step_event,
 )
+from llmlab.observe.observable import Observable
 from llmlab.runner.executor import Clock, Executor, real_clock
 from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
+from llmlab.engine.intake import Intake
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.output_processor import OutputProcessor
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError, raise_first
 from llmlab.pooling.task import PoolingSpec
-from llmlab.pooling_params import PoolingParams
 from llmlab.request import Request
 from llmlab.sampling.metadata import GrammarFactory
 from llmlab.sampling.params import SamplingParams
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.scheduler.scheduler import Scheduler
-from llmlab.validation import as_request_ids
 
 __all__ = ["Engine", "PreparedRequest", "PromptType"]
 
 
 @attrs.define
-class Engine:
+class Engine(Intake, Observable):
     """Continuous-batching inference engine over a paged KV cache.
 
     Attributes:
@@ -120,102 +115,6 @@ class Engine:
             )
         return cls(**assemble(config))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        user: str | None = None,
-        lora_request: Any = None,
-    ) -> None:
-        """Queue a request (:meth:`add_prepared_request` of :meth:`prepare_request`).
-        Raises ``TypeError``/``ValueError`` (and queues nothing) on bad input.
-
-        ``prompt`` is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a
-        sequence of token ids (list, tuple, numpy array or 1-D torch tensor).
-        ``priority``: lower is served first by policies that read it (vLLM's semantics).
-        ``user``: who sent it; per-user policies such as ``fair`` share service by user.
-        ``params``: ``SamplingParams`` on a generating engine; ``PoolingParams`` on a
-        pooling one (``runner="pooling"``; None: the model's default task), whose output
-        is a :class:`~llmlab.engine.outputs.PoolingRequestOutput` (vLLM's).
-        ``lora_request``: a :class:`~llmlab.lora.request.LoRARequest` to run the request
-        with that adapter (the engine needs ``enable_lora=True``), or None.
-        """
-        prepared = self.prepare_request(
-            request_id, prompt, params, arrival_time, priority, user, lora_request=lora_request
-        )
-        self.add_prepared_request(prepared)
-
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        user: str | None = None,
-        lora_request: Any = None,
-        client: Hashable = None,
-    ) -> PreparedRequest:
-        """Check and tokenize a request without queueing it (same arguments and errors as
-        :meth:`add_request`).
-
-        It reads no state that steps change, so it may run in another thread while the
-        engine steps: front ends (the :class:`~llmlab.entrypoints.async_engine.AsyncEngine`)
-        tokenize and compile grammars here, off the engine's loop. ``client``: who sent
-        it, as the front end knows (the server: the peer's address); grammar compiles
-        queue fairly per client (default: ``user``).
-        """
-        return self.inputs.prepare(
-            request_id, prompt, params, arrival_time, priority, user, self.clock(),
-            lora_request=lora_request, client=client,
-        )
-
-    def add_prepared_request(self, prepared: PreparedRequest) -> None:
-        """Queue a request checked by :meth:`prepare_request`. Raises ``ValueError`` (and
-        queues nothing) when its id is already in use."""
-        if not isinstance(prepared, PreparedRequest):
-            raise TypeError(
-                f"expected a PreparedRequest (from prepare_request), got {type(prepared).__name__}"
-            )
-        with self._lock, deferred_interrupts():
-            members = self.inputs.requests(prepared)
-            ids = {prepared.request_id, *(m.request_id for m in members)}
-            taken = [i for i in ids if i in self._requests or i in self._groups]
-            if taken:
-                raise ValueError(f"request_id {taken[0]!r} is already in use")
-            for member in members:
-                self._requests[member.request_id] = member
-                self.outputs.add(member)
-            if members[0].group is not None:
-                self._groups[prepared.request_id] = members[0].group
-            self.scheduler.add(members[0])
-            self._arrived_since_step.append(Arrival.of(prepared))
-
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stop requests wherever they are and free their KV blocks. Unknown ids are ignored."""
-        ids = as_request_ids(request_id)
-        with self._lock:
-            with deferred_interrupts():
-                for group_id in ids & self._groups.keys():
-                    group = self._groups.pop(group_id)
-                    ids.update(m.request_id for m in group.members)
-                for request in self.scheduler.abort(ids):
-                    self._aborted_since_step.append(request.request_id)
-                    for member in self._drop_forks(request):
-                        self._aborted_since_step.append(member.request_id)
-                    self._forget(request)
-                errors = self.scheduler.take_errors()
-            raise_first(errors)
-
-    def _drop_forks(self, request: Request):
-        """A request ended before its parallel samples forked: they end with it."""
-        for member in self.scheduler.drop_forks(request):
-            self._forget(member)
-            yield member
-
     @property
     def is_alive(self) -> bool:
         """False once the executor can never run another step (a tensor-parallel rank
@@ -235,10 +134,6 @@ class Engine:
         if callable(close):
             close()
 
-    def has_request(self, request_id: str) -> bool:
-        """Whether ``request_id`` is queued or running (so it cannot be reused yet)."""
-        return request_id in self._requests or request_id in self._groups
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -252,50 +147,6 @@ class Engine:
     def kv_cache(self):
         """The :class:`~llmlab.cache.kv_cache_manager.KVCacheManager` (read it, don't mutate)."""
         return self.scheduler.kv
-
-    # -- observation -------------------------------------------------------------------
-
-    def subscribe(self, observer: StepObserver) -> StepObserver:
-        """Call ``observer(event)`` after every step; returns it (usable as a decorator).
-
-        An observer that raises is logged (with its name) and skipped for that event; the
-        step's outputs and the other observers are unaffected.
-        """
-        self.observers.append(observer)
-        return observer
-
-    def unsubscribe(self, observer: StepObserver) -> None:
-        self.observers.remove(observer)
-
-    def observe(self, observer: StepObserver) -> EngineSnapshot:
-        """Subscribe ``observer`` and return the state it starts from, atomically.
-
-        Applying every later event to the snapshot follows the engine exactly (no step can
-        fall between the two), which is how a view attached mid-run stays right.
-        """
-        with self._lock:
-            snapshot = self.snapshot()
-            self.subscribe(observer)
-        return snapshot
-
-    def record(self, path: str | os.PathLike):
-        """Record the run from now on to a JSON Lines file; returns the ``Recorder``.
-
-        The file starts with the engine's config and an :class:`EngineSnapshot`, then has
-        one line per step event (request arrivals included). Stop with ``close()`` or a
-        ``with`` block; read it back with :func:`llmlab.viz.load` (``llmlab.observe.recording``).
-        """
-        from llmlab.observe.recording import Recorder
-
-        return Recorder(self, path)
-
-    def snapshot(self) -> EngineSnapshot:
-        """The KV pool, block tables and queue lengths now (see :class:`EngineSnapshot`)."""
-        with self._lock:
-            return EngineSnapshot.take(
-                self._step_index, self.scheduler.kv, self._requests,
-                self.scheduler.num_waiting, len(self.scheduler.running), self.clock(),
-            )
 
     # -- the step ----------------------------------------------------------------------
 
@@ -366,44 +217,8 @@ class Engine:
         for request in finished + failed:
             self._forget(request)
 
-        sampled = tuple(
-            (r.request_id, r.num_output_tokens - before)
-            for r, before in progressed
-            if r.num_output_tokens > before
-        )
-        speculated = ()
-        if output is not None and output.num_drafted is not None:
-            speculated = tuple(
-                (e.request_id, drafted, len(tokens) - 1)
-                for e, drafted, tokens in zip(
-                    batch.entries, output.num_drafted, output.token_ids, strict=True
-                )
-                if drafted and tokens
-            )
-        # What each plugged-in feature did this step (a KV press's compactions), by name.
-        reports = {p.name: p.report() for p in self.scheduler.plugins}
-        blocks = self.scheduler.kv.drain_events()
-        event = None
-        if (
-            batch.entries
-            or self._aborted_since_step
-            or self._arrived_since_step
-            or failed
-            or blocks != BlockEvents()
-            or any(reports.values())
-        ):
-            event = step_event(
-                self._step_index, batch, batch_requests,
-                finished=finished + failed, aborted=self._aborted_since_step,
-                arrived=self._arrived_since_step, sampled=sampled, blocks=blocks,
-                kv=self.scheduler.kv, num_waiting=self.scheduler.num_waiting,
-                num_running=len(self.scheduler.running), start=start, end=self.clock(),
-                model_time=model_time, speculated=speculated, reports=reports,
-            )
-            self._aborted_since_step = []
-            self._arrived_since_step = []
-            if batch.entries:
-                self._step_index += 1
+        event = self._step_event(batch, output, batch_requests, finished + failed, progressed,
+                                 bool(failed), start, model_time)
         return event, errors
 
     def _forget(self, request: Request) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from llmlab.cache.eviction import EvictionPolicy, LRUEviction
 from llmlab.cache.host_pools import OffloadTier, SwapSpace
 from llmlab.cache.kv_tensors import (
+    copy_blocks_between,
     HostKVCaches,
     allocate_host_kv_caches,
     bytes_per_block,
@@ -106,3 +108,29 @@ def host_pools(host_kv: HostKVCaches | None,
             host_kv.num_offload_blocks, eviction=offload_eviction or LRUEviction()
         )
     return pools
+
+
+def apply_transfers(runner: Any, transfers: Sequence[Any]) -> None:
+    """Move KV blocks between the runner's device cache and its host pools, in batch order
+    (outside any CUDA graph: a replayed decode reads the blocks afterwards)."""
+    for transfer in transfers:
+        if transfer.kind == "copy":
+            runner.attention.copy_blocks(runner.kv_caches, list(transfer.blocks),
+                                         runner.block_size)
+            continue
+        src, src_blocks = _kv_pool(runner, transfer.source)
+        dst, dst_blocks = _kv_pool(runner, transfer.destination)
+        copy_blocks_between(src, src_blocks, dst, dst_blocks, transfer.blocks)
+
+
+def _kv_pool(runner: Any, name: str) -> tuple[list[torch.Tensor], int]:
+    if name == "device":
+        return runner.kv_caches, runner.num_kv_blocks
+    host_kv = runner.host_kv
+    tensors, num_blocks = (None, 0) if host_kv is None else host_kv.pool(name)
+    if not tensors:
+        raise ValueError(
+            f"the batch moves KV blocks to or from the {name!r} host pool, which this "
+            "runner does not have (preemption_mode='swap' / kv_offloading_size)"
+        )
+    return tensors, num_blocks

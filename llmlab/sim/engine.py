@@ -100,7 +100,6 @@ def sim_engine(
     policy = component("scheduling_policy", scheduling_policy)
     eviction = component("eviction_policy", eviction_policy)
     num_blocks = _num_blocks(cfg, shape, max_model_len, hw, on_gpu, dtype_bytes)
-    scheduler = scheduler_for(cfg, num_blocks, max_model_len, policy, eviction)
     clock = clock if clock is not None else VirtualClock()
     if isinstance(cost_model, str):
         if cost_model != "roofline":
@@ -122,6 +121,8 @@ def sim_engine(
             )
         acceptance = spec.build_proposer()
         length = spec.length_policy()
+    scheduler = scheduler_for(cfg, num_blocks, max_model_len, policy, eviction,
+                              speculation=length)
     executor = SimulatedExecutor(cost_model, clock, shape.vocab_size, acceptance)
     return Engine(**engine_fields(
         cfg, scheduler, executor, length, tokenizer=None, vocab_size=shape.vocab_size,
