@@ -62,6 +62,9 @@ def _single_device(field: str, value: object) -> int:
 QUANTIZATION_METHODS = ("int8", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_OFFLOADING_BACKENDS = ("cpu", "disk")
+# vLLM's load_format values llmlab reads (llmlab/models/loader.py); gguf, bitsandbytes,
+# sharded_state, tensorizer, npcache, mistral, ... are refused.
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 
 RUNNERS = ("generate", "pooling", "auto")
 # vLLM's older ``task`` values; a pooling one selects runner="pooling" (docs/pooling.md).
@@ -80,6 +83,16 @@ def _only(field: str, supported: object, value: object, *, allow_none: bool = Fa
     if value != supported:
         raise ValueError(f"{field}={value!r} is not supported (only {supported!r})")
     return value
+
+
+def _cpu_offload_gb(value: object) -> float:
+    gib = as_real("cpu_offload_gb", value)
+    if gib != 0:
+        raise ValueError(
+            f"cpu_offload_gb={value!r} is not supported: llmlab keeps every weight on the "
+            "device it runs on (only 0 is allowed)"
+        )
+    return gib
 
 
 def _positive(field: str, *, allow_none: bool = False):
@@ -152,6 +165,13 @@ class EngineConfig:
             weights and activations included; the KV cache gets what profiling leaves.
         skip_tokenizer_init: run on token ids only (no text in or out).
         download_dir: where hub downloads go; ``None`` is the Hugging Face cache.
+        load_format: how the weights are read (vLLM's): ``"auto"`` (safetensors, else
+            PyTorch ``pytorch_model*.bin``), ``"safetensors"`` or ``"pt"`` (only that
+            kind of file), or ``"dummy"`` (random weights of the right shapes and dtype,
+            no weight file read: for benchmarking; the config and tokenizer still load).
+            Other vLLM formats (``"gguf"``, ``"bitsandbytes"``, ...) are refused.
+        cpu_offload_gb: GiB of weights to keep in host memory (vLLM's): only 0, since
+            llmlab does not offload weights.
         max_logprobs: most logprobs a request may ask for; -1 means no limit.
         enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
             (captured per padded batch size on first use, with the Triton backend).
@@ -312,6 +332,11 @@ class EngineConfig:
     download_dir: str | None = attrs.field(
         default=None, converter=functools.partial(_path, "download_dir", allow_none=True)
     )
+    load_format: str = attrs.field(
+        default="auto",
+        converter=functools.partial(as_choice, "load_format", choices=LOAD_FORMATS),
+    )
+    cpu_offload_gb: float = attrs.field(default=0.0, converter=_cpu_offload_gb)
     max_logprobs: int = attrs.field(
         default=20,
         converter=functools.partial(

@@ -1,9 +1,13 @@
-"""Imports follow the layer table in docs/architecture.md.
+"""Imports follow the layer table in docs/architecture.md, and no modules import each other.
 
 The table's code block lists modules and packages (``llmlab/...``) in bands separated by
 ``▲`` lines, lowest first. A module may import from its own band and the bands below it;
 every ``import`` in every module counts, lazy ones inside functions included. The package's
 front door (``llmlab/__init__.py``, ``llmlab/__main__.py``) sits in the top band.
+
+Within a band the table allows anything, so a second rule keeps the order inside it: no
+import cycles, however long, between any llmlab modules (a package's ``__init__`` is a
+module like any other; every import counts, lazy and ``TYPE_CHECKING`` ones included).
 """
 
 from __future__ import annotations
@@ -112,6 +116,114 @@ def upward_imports(table: list[list[str]], modules: dict[str, set[str]]) -> list
 
 def all_modules() -> dict[str, set[str]]:
     return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_cycles(modules: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of the import graph that hold a cycle (two or
+    more modules, or one that imports itself), each sorted, in sorted order (Tarjan's
+    algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(modules):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(modules[root])))]
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in modules:
+                    continue  # not an llmlab module (an attribute import, say)
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(modules[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in modules[node]:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def cycle_path(component: list[str], modules: dict[str, set[str]], start: str | None = None
+               ) -> str:
+    """One shortest loop through ``start`` (default: the component's first module):
+    ``a -> b -> a``."""
+    start, members = start or component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(modules[node] & members):
+                if target == start:
+                    path = [start]
+                    while node != start:
+                        path.append(node)
+                        node = came_from[node]
+                    return " -> ".join([start, *reversed(path[1:]), start])
+                if target not in came_from:
+                    came_from[target] = node
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"{component} holds no cycle")
+
+
+def test_no_import_cycles():
+    modules = all_modules()
+    cycles = import_cycles(modules)
+    assert not cycles, (
+        "import cycles (move the shared code to a lower module, or the function to the "
+        "module that uses it):\n  " + "\n  ".join(
+            f"{', '.join(component)}: {cycle_path(component, modules)}" for component in cycles
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "importer, planted, loop",
+    [
+        # two modules: the pool reaching back for its manager
+        ("llmlab.cache.block_pool", "llmlab.cache.kv_cache_manager",
+         "llmlab.cache.block_pool -> llmlab.cache.kv_cache_manager -> llmlab.cache.block_pool"),
+        # three, across packages
+        ("llmlab.cache.block_pool", "llmlab.scheduler.scheduler",
+         "llmlab.cache.block_pool -> llmlab.scheduler.scheduler -> "
+         "llmlab.cache.kv_cache_manager -> llmlab.cache.block_pool"),
+        # a package's __init__ counts: roofline importing the package that imports it
+        ("llmlab.sim.roofline", "llmlab.sim",
+         "llmlab.sim.roofline -> llmlab.sim -> llmlab.sim.roofline"),
+        # a module importing itself
+        ("llmlab.request", "llmlab.request", "llmlab.request -> llmlab.request"),
+    ],
+)
+def test_a_planted_import_cycle_is_caught(importer, planted, loop):
+    modules = all_modules()
+    assert not import_cycles(modules)
+    modules[importer] = modules[importer] | {planted}
+    cycles = import_cycles(modules)
+    assert len(cycles) == 1 and importer in cycles[0]
+    assert cycle_path(cycles[0], modules, start=importer) == loop
 
 
 def test_no_module_imports_upward():

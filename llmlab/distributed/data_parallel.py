@@ -5,11 +5,11 @@
 
     llmlab serve MODEL --data-parallel-size 2 --router least_loaded
 
-:class:`DataParallelEngine` has the surface of :class:`~llmlab.engine.engine.Engine` that
-``LLM``, ``AsyncEngine`` and the server use (``prepare_request``, ``add_prepared_request``,
-``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``, ``subscribe``,
-...), so both drive it unchanged. It loads only the tokenizer: every request is checked
-and tokenized here, at the edge (a rejected request never reaches a replica), then a
+:class:`DataParallelEngine` is an :class:`~llmlab.engine.client.EngineClient`, as
+:class:`~llmlab.engine.engine.Engine` is (``tests/engine/test_engine_client.py`` keeps
+their surfaces equal), so ``LLM``, ``AsyncEngine`` and the server drive it unchanged. It
+loads only the tokenizer: every request is checked and tokenized here, at the edge (a
+rejected request never reaches a replica), then a
 :class:`~llmlab.routing.policy.RoutingPolicy` picks a live replica for it (a request with
 ``n > 1`` goes whole to one replica) and it is sent there.
 
@@ -25,6 +25,10 @@ fed by each step's cached blocks and evictions).
 Observers: ``subscribe(observer)`` hears every replica's ``StepEvent`` (their
 ``step_index``, clocks and block ids are each replica's own);
 ``subscribe(observer, replica=True)`` is called as ``observer(replica_index, event)``.
+The members that read an engine's state ask each replica, which answers between two of its
+steps (:mod:`llmlab.distributed.replica_queries`): ``snapshot()`` and ``observe()`` give
+one snapshot per replica, ``kv_cache`` one read-only view per replica, and
+``record(path)`` has each replica's engine record its own run to a file of its own.
 
 Failures: a replica that dies (killed, crashed) is noticed by the next ``step()`` (its
 process sentinel, or EOF on its connection). Every request in flight there ends: its
@@ -58,9 +62,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
+import itertools
 import logging
 import multiprocessing.connection
 import os
+import pathlib
 import pickle
 import threading
 import time
@@ -92,13 +99,22 @@ from llmlab.distributed.replica_process import (
     AbortRequests,
     AddRequest,
     Heartbeat,
+    Query,
+    QueryReply,
     ReplicaInfo,
     ReplicaSpec,
     StepReport,
 )
+from llmlab.distributed.replica_queries import (
+    PendingQuery,
+    ReplicaKVCache,
+    ReplicaRecordings,
+    SnapshotObserver,
+    replica_path,
+)
 from llmlab.engine.builder import EngineBuilder
 from llmlab.runner.build import resolve_device
-from llmlab.observe.events import StepEvent, StepObserver, notify
+from llmlab.observe.events import EngineSnapshot, StepEvent, StepObserver, notify
 from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
 from llmlab.engine.outputs import CompletionOutput, RequestOutput
 from llmlab.errors import ComponentError, RequestFailedError, component_name
@@ -116,7 +132,7 @@ __all__ = [
     "ReplicaStatus",
     "ReplicasDeadError",
     "ReplicasUnavailableError",
-    "build_engine",
+    "check_data_parallel_settings",
     "resolve_router",
 ]
 
@@ -212,21 +228,15 @@ def resolve_router(router: Any) -> Any:
     return router
 
 
-def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None,
-                 replica_heartbeat_timeout_s: float | None = None,
-                 replica_wedged_after_s: float | None = None, **settings: Any):
-    """The engine ``LLM(model, tokenizer, **settings)`` runs: an
-    :class:`~llmlab.engine.engine.Engine`, or with ``data_parallel_size > 1`` a
-    :class:`DataParallelEngine` routing with ``router`` (the ``replica_*`` deadlines:
-    :meth:`DataParallelEngine.from_settings`; unused, but checked, with one engine)."""
-    builder = EngineBuilder.from_settings(model, tokenizer, **settings)  # checks settings
-    deadlines = _deadlines(replica_heartbeat_timeout_s, replica_wedged_after_s)
-    if builder.config.data_parallel_size > 1:
-        return DataParallelEngine.from_settings(model, tokenizer, router=router,
-                                                **deadlines, **settings)
+def check_data_parallel_settings(router: Any = None,
+                                 replica_heartbeat_timeout_s: float | None = None,
+                                 replica_wedged_after_s: float | None = None) -> None:
+    """Check the data-parallel settings of an engine that has one replica, where they are
+    unused: a typo in a router's name, or a bad deadline, still fails (``ValueError`` /
+    ``TypeError`` naming it), as it would with ``data_parallel_size > 1``."""
+    _deadlines(replica_heartbeat_timeout_s, replica_wedged_after_s)
     if router is not None:
-        resolve_router(router)  # a typo fails even when there is nothing to route
-    return builder.build()
+        resolve_router(router)
 
 
 def _deadlines(heartbeat_timeout_s: float | None, wedged_after_s: float | None) -> dict:
@@ -350,6 +360,10 @@ class DataParallelEngine:
         self._requests: dict[str, _InFlight] = {}
         self._undelivered: list[RequestOutput] = []
         self._failures: collections.deque[RequestFailedError] = collections.deque()
+        # Questions sent to replicas (snapshot, kv_cache, record), by query id, until the
+        # answer is read (replica_queries).
+        self._queries: dict[int, PendingQuery] = {}
+        self._query_ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
         # A pipe whose read end step() also waits on: wake() ends the wait at once.
@@ -483,16 +497,22 @@ class DataParallelEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
+        lora_request: Any = None,
         client: Hashable = None,
     ) -> PreparedRequest:
         """Check and tokenize a request here, without sending it anywhere (as
         :meth:`Engine.prepare_request`); raises :class:`ReplicasDeadError` when no
-        replica is alive (:class:`ReplicasUnavailableError` when none answers now)."""
+        replica is alive (:class:`ReplicasUnavailableError` when none answers now).
+
+        ``lora_request`` is checked here and travels with the request to its replica,
+        whose engine runs it with that adapter; LoRA needs ``enable_lora``, which data
+        parallelism does not support yet (replicas do not share adapters), so a
+        :class:`~llmlab.lora.request.LoRARequest` is refused here (``ValueError``)."""
         if not self.is_alive:
             raise self._no_replica()
         return self.inputs.prepare(
             request_id, prompt, params, arrival_time, priority, user, self.clock(),
-            client=client,
+            lora_request=lora_request, client=client,
         )
 
     def add_request(
@@ -503,12 +523,13 @@ class DataParallelEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Check, route and send a request (:meth:`Engine.add_request`'s arguments and
-        errors: on bad input nothing is sent)."""
-        self.add_prepared_request(
-            self.prepare_request(request_id, prompt, params, arrival_time, priority, user)
-        )
+        errors: on bad input nothing is sent; ``lora_request``: :meth:`prepare_request`)."""
+        self.add_prepared_request(self.prepare_request(
+            request_id, prompt, params, arrival_time, priority, user, lora_request=lora_request
+        ))
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
         """Route a request checked by :meth:`prepare_request` to a live replica that
@@ -635,10 +656,163 @@ class DataParallelEngine:
         return observer
 
     def unsubscribe(self, observer: Callable) -> None:
-        if observer in self.replica_observers:
-            self.replica_observers.remove(observer)
-        else:
+        """Stop calling ``observer`` (however it was attached: :meth:`subscribe`, with or
+        without ``replica``, or :meth:`observe`); ``ValueError`` if it is not attached."""
+        with self._lock:
+            for attached in self.replica_observers:
+                if attached == observer or (isinstance(attached, SnapshotObserver)
+                                            and attached.observer == observer):
+                    self.replica_observers.remove(attached)
+                    return
             self.observers.remove(observer)
+
+    def snapshot(self) -> tuple[EngineSnapshot | None, ...]:
+        """Every replica's :class:`~llmlab.observe.events.EngineSnapshot` now, in replica
+        order: each taken by the replica between two of its steps (block ids and
+        ``step_index`` are that replica's own). None for a replica that is dead, or does
+        not answer (unresponsive, or gone while asked)."""
+        return tuple(self._answers(self._ask("snapshot"), "snapshot"))
+
+    def observe(self, observer: StepObserver) -> tuple[EngineSnapshot | None, ...]:
+        """Subscribe ``observer`` to every replica's events and return each replica's
+        snapshot (:meth:`snapshot`), atomically per replica: it hears replica ``i``'s
+        events from the moment snapshot ``i`` was taken, none from before, so applying
+        them to it follows replica ``i`` exactly. A replica whose snapshot is None is
+        not heard at all. :meth:`unsubscribe` detaches it."""
+        attached = SnapshotObserver(observer)
+        with self._lock:
+            self.replica_observers.append(attached)
+        try:
+            return tuple(self._answers(self._ask("snapshot", on_answer=attached.start),
+                                       "snapshot"))
+        except BaseException:
+            self.unsubscribe(observer)
+            raise
+
+    def record(self, path: str | os.PathLike) -> ReplicaRecordings:
+        """Record every replica's run from now on, each by its own engine
+        (:meth:`Engine.record <llmlab.engine.engine.Engine.record>`: the same JSON Lines)
+        to a file of its own: ``run.jsonl`` -> ``run.replica0.jsonl``,
+        ``run.replica1.jsonl``, ... (``.gz`` stays compressed). A relative path is taken
+        from this process's working directory; Ray replicas on other nodes write theirs
+        there. A replica that is dead or does not answer is not recorded (its path is
+        None). Returns a :class:`~llmlab.distributed.replica_queries.ReplicaRecordings`:
+        stop with ``close()`` or a ``with`` block; read each file with
+        :func:`llmlab.viz.load`. Raises what a replica's ``record`` raised (a directory
+        that does not exist, say), after stopping the recordings that did start."""
+        if self._closed:
+            raise ReplicasDeadError("the data-parallel engine was shut down")
+        base = pathlib.Path(os.path.abspath(path))
+        paths = {r.replica_index: replica_path(base, r.replica_index) for r in self.replicas}
+        asked = self._ask("record", {i: str(p) for i, p in paths.items()})
+        started = {q.replica: q.value for q in asked if q is not None and q.answered
+                   and q.error is None}
+        try:
+            self._answers(asked, "record")
+        except BaseException:
+            self._stop_recordings(started)
+            raise
+        return ReplicaRecordings(
+            self._stop_recordings,
+            tuple(paths[i] if i in started else None for i in range(self.num_replicas)),
+            started,
+        )
+
+    @property
+    def kv_cache(self) -> tuple[ReplicaKVCache, ...]:
+        """Each replica's KV cache manager as the front end can read it: a
+        :class:`~llmlab.distributed.replica_queries.ReplicaKVCache` per replica, in
+        replica order (its shape known here; its state asked of the replica when read)."""
+        return tuple(
+            ReplicaKVCache(functools.partial(self._read_kv_cache, r.replica_index),
+                           r.replica_index, r.info)
+            for r in self.replicas
+        )
+
+    def _read_kv_cache(self, index: int, name: str, args: tuple) -> Any:
+        query = self._ask("kv_cache", {index: (name, args)})[index]
+        if query is None or not query.answered:
+            replica = self.replicas[index]
+            why = (replica.dead_reason or replica.unresponsive or
+                   ("the engine was shut down" if self._closed else "it did not answer"))
+            raise RuntimeError(f"kv_cache[{index}].{name}: replica {index} cannot answer ({why})")
+        return self._answers([query], f"kv_cache.{name}")[0]
+
+    def _stop_recordings(self, recording_ids: dict[int, int]) -> list[int | None]:
+        """Close recordings started by :meth:`record`; each one's step count (None: its
+        replica did not answer)."""
+        asked = self._ask("stop_recording", recording_ids)
+        return [None if q is None or not q.answered or q.error is not None else q.value
+                for q in asked]
+
+    def _ask(self, kind: str, arguments: dict[int, Any] | None = None,
+             on_answer: Callable[[int, Any], None] | None = None) -> list[PendingQuery | None]:
+        """Ask the replicas a :class:`~llmlab.distributed.replica_process.Query` (those in
+        ``arguments``, each with its own argument; else every replica, with none) and wait
+        for the answers. One entry per replica: None for one not asked (not in
+        ``arguments``, dead or unresponsive), else its :class:`PendingQuery`, unanswered
+        if the replica died or stopped answering meanwhile. Reports read while waiting
+        are applied as ``step()`` applies them (their outputs wait for the next step)."""
+        asked: list[PendingQuery | None] = [None] * self.num_replicas
+        with self._lock:
+            if self._closed:
+                return asked
+            for replica in self.replicas:
+                index = replica.replica_index
+                if (arguments is not None and index not in arguments) or not replica.is_responsive:
+                    continue
+                query_id = next(self._query_ids)
+                query = PendingQuery(index, on_answer)
+                payload = pickle.dumps(Query(query_id, kind, (arguments or {}).get(index)))
+                try:
+                    replica.handle.send_bytes(payload)
+                except (OSError, EOFError, ValueError):
+                    continue  # it died just now (step() will say so)
+                self._queries[query_id] = query
+                replica.commands_sent += 1
+                asked[index] = query
+        try:
+            self._await_answers(asked)
+        finally:
+            with self._lock:  # answers that come later are ignored
+                for query_id in [i for i, q in self._queries.items() if q in asked]:
+                    del self._queries[query_id]
+        self.wake()  # a step() waiting for reports returns what was read here
+        return asked
+
+    def _await_answers(self, asked: list[PendingQuery | None]) -> None:
+        """Read the asked replicas until each answered, died or stopped answering (the
+        monitor thread judges that; another thread's step() may read an answer too)."""
+        deadline = time.monotonic() + self.heartbeat_timeout_s + self.wedged_after_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                waiting = [self.replicas[q.replica] for q in asked
+                           if q is not None and not q.answered]
+                waiting = [r for r in waiting if r.is_responsive and not self._closed]
+            if not waiting:
+                return
+            waitables: list[Any] = []
+            for r in waiting:
+                waitables.append(r.handle.connection)
+                if r.handle.sentinel is not None:
+                    waitables.append(r.handle.sentinel)
+            # A short wait: another thread may take the bytes this one waits for.
+            ready = multiprocessing.connection.wait(waitables, 0.05)
+            with self._lock:
+                for r in waiting:
+                    handle = r.handle
+                    if handle.connection in ready or (handle.sentinel is not None
+                                                      and handle.sentinel in ready):
+                        self._read(r)
+
+    @staticmethod
+    def _answers(asked: list[PendingQuery | None], what: str) -> list[Any]:
+        """The answers' values (None where there is none); raises the first replica's
+        error as a ``RuntimeError`` naming the replica."""
+        for query in asked:
+            if query is not None and query.error is not None:
+                raise RuntimeError(f"replica {query.replica}: {what} failed: {query.error}")
+        return [q.value if q is not None and q.answered else None for q in asked]
 
     def health(self) -> list[ReplicaStatus]:
         """Each replica's status now: ``"ok"``, ``"unresponsive"`` (with how long it has
@@ -741,6 +915,10 @@ class DataParallelEngine:
                 replica.liveness.heard(now, message)
             if isinstance(message, StepReport):
                 self._apply(replica, message)
+            elif isinstance(message, QueryReply):
+                query = self._queries.pop(message.query_id, None)
+                if query is not None:  # else its asker stopped waiting: ignored
+                    query.answer(message)
             elif not isinstance(message, Heartbeat):
                 logger.error("replica %d sent an unexpected %r", replica.replica_index,
                              type(message).__name__)

@@ -5,7 +5,7 @@ launcher for Ray: it joins the Ray cluster there is (``ray.init()``'s rules: an 
 initialised Ray, ``RAY_ADDRESS``, the latest cluster started on this machine) or starts a
 local instance, reserves the ranks' resources in one placement group (``PACK``: one node
 when the ranks fit on one, else spread), and starts one actor per rank whose long-running
-task is :func:`~llmlab.distributed.tp_executor.worker_main`. Rank 0 stays the engine's own
+task is :func:`~llmlab.distributed.tp_worker.worker_main`. Rank 0 stays the engine's own
 process; the actors meet it at its ``TCPStore``, at an address of rank 0's node that other
 nodes can reach (never loopback). Each :class:`RayWorker` answers the questions the
 executor asks of a worker process (alive? why did it stop? stop it), so failures are
@@ -80,7 +80,7 @@ class _RankActor:
     def run(self, rank: int, size: int, host: str, port: int, plan: Any,
             cuda_visible: str | None) -> None:
         """Be rank ``rank`` until rank 0 says stop (:func:`worker_main`)."""
-        from llmlab.distributed.tp_executor import worker_main
+        from llmlab.distributed.tp_worker import worker_main
 
         if cuda_visible is not None:
             # Before CUDA starts in this process, so that it sees just this GPU, as cuda:0.

@@ -5,10 +5,12 @@ The messages are small frozen attrs classes, pickled over one duplex
 ``multiprocessing`` connection:
 
 * front end -> replica: :class:`AddRequest` (a request the front end already checked and
-  tokenized), :class:`AbortRequests`, :class:`Shutdown`;
+  tokenized), :class:`AbortRequests`, :class:`Query` (a question for the engine: a
+  snapshot, a KV cache reading, a recording to start or stop), :class:`Shutdown`;
 * replica -> front end: :class:`ReplicaReady` (the engine's facts, once built) or
   :class:`ReplicaStartFailed`, then one :class:`StepReport` per step that did anything,
-  and a :class:`Heartbeat` every ``heartbeat_interval_s``.
+  a :class:`QueryReply` per query, and a :class:`Heartbeat` every
+  ``heartbeat_interval_s``.
 
 The replica runs on its own clock, not in lock-step with the others: it drains whatever
 commands have arrived, steps while it has work, and reports each step's outputs and
@@ -93,6 +95,42 @@ class AbortRequests:
 @attrs.frozen
 class Shutdown:
     """Stop after the current step and exit."""
+
+
+# What a Query may read of the replica's KV cache manager (a read-only subset: the manager
+# itself lives here, and its block pool cannot be pickled).
+KV_CACHE_READS = ("num_free_blocks", "usage", "block_table", "snapshot", "check")
+
+
+@attrs.frozen
+class Query:
+    """A question for the replica's engine, answered between two of its steps by one
+    :class:`QueryReply` with the same ``query_id``.
+
+    Attributes:
+        query_id: the front end's id for the answer.
+        kind: ``"snapshot"`` (``Engine.snapshot()``); ``"kv_cache"`` (``argument`` is
+            ``(name, args)``: ``getattr(engine.kv_cache, name)``, called with ``args`` when
+            it is a method; ``name`` one of :data:`KV_CACHE_READS`); ``"record"``
+            (``Engine.record(argument)``; the answer is the recording's id) or
+            ``"stop_recording"`` (close recording ``argument``; the answer is its number
+            of steps).
+        argument: what the kind needs, else None.
+    """
+
+    query_id: int
+    kind: str
+    argument: Any = None
+
+
+@attrs.frozen
+class QueryReply:
+    """The answer to :class:`Query` ``query_id``: ``value``, or ``error`` (the exception's
+    type and message) when answering raised."""
+
+    query_id: int
+    value: Any = None
+    error: str | None = None
 
 
 @attrs.frozen
@@ -348,6 +386,7 @@ class _ReplicaLoop:
         self.refused: list[tuple[str, str]] = []
         self.events: list = []
         self.step_again = False
+        self.recordings: dict[int, Any] = {}  # Engine.record's recorders, by query id
         engine.subscribe(self._observe)
         self.sender = PipeWriter(conn, "llmlab-dp-sender")
 
@@ -382,6 +421,7 @@ class _ReplicaLoop:
                 self.pass_started = time.monotonic()
         finally:
             heartbeat.stop()
+            self._close_recordings()
             self.sender.close()
 
     def _drain(self, timeout: float) -> int | None:
@@ -422,8 +462,54 @@ class _ReplicaLoop:
                 logger.exception("replica %d: aborting %d request(s) raised", self.index,
                                  len(command.request_ids))
             self.step_again = True  # the next step reports the abort and frees blocks
+        elif isinstance(command, Query):
+            self._answer(command)
         else:
             logger.error("replica %d: ignoring an unknown command %r", self.index, command)
+
+    def _answer(self, query: Query) -> None:
+        """Answer a query now, between steps (so a snapshot is followed exactly by the
+        events reported after it); an error in answering is the reply, never the loop's."""
+        try:
+            value = self._query_value(query)
+            payload = pickle.dumps(QueryReply(query.query_id, value),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - the asker raises it
+            payload = pickle.dumps(QueryReply(query.query_id, None,
+                                              f"{type(err).__name__}: {err}"))
+        if self.sender.error is None:
+            self.sender.send(payload)
+
+    def _query_value(self, query: Query) -> Any:
+        engine = self.engine
+        if query.kind == "snapshot":
+            return engine.snapshot()
+        if query.kind == "kv_cache":
+            name, args = query.argument
+            if name not in KV_CACHE_READS:
+                raise ValueError(f"kv_cache.{name} is not readable from the front end; "
+                                 f"readable: {', '.join(KV_CACHE_READS)}")
+            value = getattr(engine.kv_cache, name)
+            return value(*args) if callable(value) else value
+        if query.kind == "record":
+            self.recordings[query.query_id] = engine.record(query.argument)
+            return query.query_id
+        if query.kind == "stop_recording":
+            recorder = self.recordings.pop(query.argument, None)
+            if recorder is None:
+                return None  # closed already
+            recorder.close()
+            return recorder.num_steps
+        raise ValueError(f"unknown query kind {query.kind!r}")
+
+    def _close_recordings(self) -> None:
+        """The replica is exiting: finish every recording it still writes (footers)."""
+        for recorder in self.recordings.values():
+            try:
+                recorder.close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("replica %d: closing a recording failed", self.index)
+        self.recordings.clear()
 
     def _step(self) -> None:
         from llmlab.errors import RequestFailedError

@@ -5,7 +5,9 @@ it (a new config field is a new argument, and a new ``llmlab serve`` flag, by it
 ``EngineArgs(model=..., max_num_seqs=8)``, then ``Engine.from_engine_args(args)``,
 ``AsyncEngine.from_engine_args(args)``, ``args.create_engine_config()``, or
 ``LLM(**vars(args))``. :meth:`EngineArgs.add_cli_args` adds one ``--flag`` per field to an
-``argparse`` parser and :meth:`EngineArgs.from_cli_args` reads them back, as vLLM's do.
+``argparse`` parser (``--model`` included) and :meth:`EngineArgs.from_cli_args` reads them
+back, as vLLM's do; with :class:`llmlab.utils.FlexibleArgumentParser`, vLLM's script pattern
+runs unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from llmlab.config import EngineConfig
 
 # Short aliases vLLM's command line has.
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)}
+# ``--model``'s default when a script leaves it out: vLLM's (its ModelConfig.model). The
+# EngineArgs field itself stays required, as EngineConfig's is.
+DEFAULT_CLI_MODEL = "Qwen/Qwen3-0.6B"
 
 
 def _field_spec(field: attrs.Attribute) -> tuple[str, Any, dataclasses.Field]:
@@ -53,6 +58,16 @@ def _arg_type(type_text: str) -> Any:
     return _json_or_str
 
 
+def _add_flag(parser: argparse.ArgumentParser, names: list[str], dest: str, type_text: Any,
+              default: Any, help_text: str) -> None:
+    arg_type = _arg_type(type_text)
+    if arg_type is None:
+        parser.add_argument(*names, dest=dest, default=default,
+                            action=argparse.BooleanOptionalAction)
+    else:
+        parser.add_argument(*names, dest=dest, default=default, type=arg_type, help=help_text)
+
+
 class _EngineArgsMethods:
     """What EngineArgs adds to the generated fields."""
 
@@ -64,13 +79,15 @@ class _EngineArgsMethods:
         """The checked :class:`EngineConfig` (raises ``ValueError`` naming a bad field)."""
         return EngineConfig(**self.config_kwargs())
 
-    @staticmethod
+    @classmethod
     def add_cli_args(
-        parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("model",)
+        cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()
     ) -> argparse.ArgumentParser:
         """Add ``--field-name`` for every field (``--x`` / ``--no-x`` for booleans), with
-        the field's default; ``skip`` names fields left out (``model``: a positional
-        argument in ``llmlab serve``) and flags the parser already has are kept."""
+        the field's default, and return ``parser`` (vLLM's). ``--model`` defaults to
+        vLLM's default model; ``skip`` names fields left out (``llmlab serve`` skips
+        ``model``: it takes the model positionally and adds its own ``--model``), and flags
+        the parser already has are kept. ``AsyncEngineArgs`` adds its own extra fields."""
         existing = set(parser._option_string_actions)  # noqa: SLF001 (argparse has no API)
         for field in attrs.fields(EngineConfig):
             if field.name in skip:
@@ -79,14 +96,21 @@ class _EngineArgsMethods:
             if flag in existing:
                 continue
             names = [flag, *(a for a in _ALIASES.get(field.name, ()) if a not in existing)]
+            if field.name == "model":
+                parser.add_argument(*names, dest="model", default=DEFAULT_CLI_MODEL,
+                                    help="local directory or Hugging Face hub id "
+                                    f"(default {DEFAULT_CLI_MODEL!r})")
+                continue
             default = None if field.default is attrs.NOTHING else field.default
-            arg_type = _arg_type(field.type)
-            if arg_type is None:
-                parser.add_argument(*names, dest=field.name, default=default,
-                                    action=argparse.BooleanOptionalAction)
-            else:
-                parser.add_argument(*names, dest=field.name, default=default, type=arg_type,
-                                    help=f"EngineConfig.{field.name} (default {default!r})")
+            _add_flag(parser, names, field.name, field.type, default,
+                      f"EngineConfig.{field.name} (default {default!r})")
+        config_fields = {f.name for f in attrs.fields(EngineConfig)}
+        for extra in dataclasses.fields(cls):  # AsyncEngineArgs' disable_log_requests
+            flag = "--" + extra.name.replace("_", "-")
+            if extra.name in config_fields or extra.name in skip or flag in existing:
+                continue
+            _add_flag(parser, [flag], extra.name, extra.type, extra.default,
+                      f"{cls.__name__}.{extra.name} (default {extra.default!r})")
         return parser
 
     @classmethod

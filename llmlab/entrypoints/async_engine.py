@@ -36,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
+from llmlab.engine.client import EngineClient
 from llmlab.engine.engine import Engine, PreparedRequest, PromptType
 from llmlab.engine.outputs import PoolingRequestOutput, RequestOutput
 from llmlab.errors import RequestFailedError
@@ -46,8 +47,7 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # a stream's end-of-outputs marker
 
-# What the loop calls on an engine: an Engine, or another with the same surface (the
-# data-parallel front end, llmlab.distributed.data_parallel).
+# The members of an EngineClient the loop calls (an engine needs no more to be served).
 _ENGINE_METHODS = ("prepare_request", "add_prepared_request", "abort_request", "step",
                    "has_unfinished_requests", "get_tokenizer")
 
@@ -161,29 +161,33 @@ class _Outputs(asyncio.Queue):
 
 
 class AsyncEngine:
-    """Serve an :class:`Engine` to asyncio code (vLLM's ``AsyncLLMEngine``).
+    """Serve an :class:`~llmlab.engine.client.EngineClient` to asyncio code (vLLM's
+    ``AsyncLLMEngine``); an :class:`~llmlab.engine.client.AsyncEngineClient` itself.
 
-    Build one around an engine (``AsyncEngine(engine)``) or from ``LLM``'s arguments
-    (:meth:`from_settings`). The loop thread starts at construction (``start=False`` to
-    start it later with :meth:`start`); :meth:`shutdown` stops it.
+    Build one around an engine (``AsyncEngine(engine)``: an :class:`Engine`, a
+    :class:`~llmlab.distributed.data_parallel.DataParallelEngine`) or from ``LLM``'s
+    arguments (:meth:`from_settings`). The loop thread starts at construction
+    (``start=False`` to start it later with :meth:`start`); :meth:`shutdown` stops it.
+    The engine's state (``snapshot``, ``observe``, ``subscribe``, ``kv_cache``,
+    ``record``) is read on ``engine``, which is thread-safe for them.
 
-    Any engine with :class:`Engine`'s request methods works (a
-    :class:`~llmlab.distributed.data_parallel.DataParallelEngine` does). Three optional
-    members are used when present: ``wake()`` (called when new work arrives, to end a
-    step that waits for it), ``is_alive`` / ``dead_reason()`` (an engine that cannot
-    serve: requests are refused, ``check_health`` raises) and ``shutdown()`` (called by
-    :meth:`shutdown`).
+    The loop calls only the request members of the engine (``prepare_request``,
+    ``add_prepared_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
+    ``get_tokenizer``), plus, when present, ``wake()`` (called when new work arrives, to
+    end a step that waits for it), ``is_alive`` / ``dead_reason()`` (an engine that
+    cannot serve: requests are refused, ``check_health`` raises) and ``shutdown()``
+    (called by :meth:`shutdown`); a stand-in with just those is served too.
     """
 
-    def __init__(self, engine: Engine, *, start: bool = True) -> None:
+    def __init__(self, engine: EngineClient, *, start: bool = True) -> None:
         if not isinstance(engine, Engine) and not all(
             callable(getattr(engine, name, None)) for name in _ENGINE_METHODS
         ):
             raise TypeError(
-                f"engine must be an Engine (or have its methods {', '.join(_ENGINE_METHODS)}), "
-                f"got {type(engine).__name__}"
+                f"engine must be an EngineClient (an Engine, a DataParallelEngine; at least "
+                f"its methods {', '.join(_ENGINE_METHODS)}), got {type(engine).__name__}"
             )
-        self.engine = engine
+        self.engine: EngineClient = engine
         self._cond = threading.Condition()
         self._inbox: list[tuple[PreparedRequest, RequestStream]] = []
         self._aborts: set[str] = set()
@@ -211,8 +215,9 @@ class AsyncEngine:
     @classmethod
     def from_settings(cls, model: str, tokenizer: str | None = None, **kwargs: Any) -> AsyncEngine:
         """Build the engine exactly as ``LLM(model, tokenizer, **kwargs)`` would
-        (``data_parallel_size`` and ``router`` included)."""
-        from llmlab.distributed.data_parallel import build_engine
+        (:func:`~llmlab.entrypoints.engines.build_engine`: ``data_parallel_size`` and
+        ``router`` included)."""
+        from llmlab.entrypoints.engines import build_engine
 
         return cls(build_engine(model, tokenizer, **kwargs))
 
@@ -315,14 +320,10 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        # Passed only when given: an engine with Engine's surface may not take them.
-        extra = {} if lora_request is None else {"lora_request": lora_request}
-        if client is not None:
-            extra["client"] = client
         prepared = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, functools.partial(
                 self.engine.prepare_request, request_id, prompt, params, arrival_time,
-                priority, user, **extra,
+                priority, user, lora_request=lora_request, client=client,
             ),
         )
         delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA

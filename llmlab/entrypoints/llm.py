@@ -14,8 +14,10 @@ import attrs
 import numpy as np
 import torch
 
-from llmlab.distributed.data_parallel import DataParallelEngine, build_engine
+from llmlab.distributed.data_parallel import DataParallelEngine
+from llmlab.engine.client import EngineClient
 from llmlab.engine.engine import Engine
+from llmlab.entrypoints.engines import build_engine
 from llmlab.engine.inputs import PromptType, render_chat
 from llmlab.observe.metrics_reader import EngineCounters, Metric, collect
 from llmlab.engine.outputs import (
@@ -54,7 +56,8 @@ class LLM:
     drafts and acceptance from construction on, and :meth:`get_metrics` reports it with
     the token and request totals; otherwise ``spec_decode_stats`` is None.
 
-    With ``data_parallel_size=N > 1``, ``llm_engine`` is a
+    ``llm_engine`` is the :class:`~llmlab.engine.client.EngineClient` it drives: an
+    :class:`~llmlab.engine.engine.Engine`, or with ``data_parallel_size=N > 1`` a
     :class:`~llmlab.distributed.data_parallel.DataParallelEngine`: N replicas of the
     engine in N processes, each request sent whole to one of them by ``router`` (a
     registered name such as ``"round_robin"`` (the default), ``"least_loaded"``,
@@ -75,7 +78,7 @@ class LLM:
         router: Any = None,
         **settings: Any,
     ) -> None:
-        self.llm_engine: Engine | DataParallelEngine = build_engine(
+        self.llm_engine: EngineClient = build_engine(
             model,
             tokenizer,
             scheduling_policy=scheduling_policy,
@@ -88,7 +91,7 @@ class LLM:
         self._init_state()
 
     @classmethod
-    def from_engine(cls, engine: Engine | DataParallelEngine) -> LLM:
+    def from_engine(cls, engine: EngineClient) -> LLM:
         """Wrap an engine built elsewhere (e.g. by an ``EngineBuilder``)."""
         llm = cls.__new__(cls)
         llm.llm_engine = engine

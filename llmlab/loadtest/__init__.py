@@ -28,12 +28,12 @@ flight; its clock starts when it is sent, so time queued in the client is not co
 
 Modules: ``config.py`` (:class:`BenchConfig`), ``datasets.py`` (the prompts and their
 arrival times), ``client.py`` (:func:`benchmark`: the HTTP client and its timings),
-``report.py`` (:func:`summarize`, :func:`format_report`) and ``cli.py`` (the flags and
-:func:`run_bench_serve`).
+``report.py`` (:class:`RequestResult`, :func:`summarize`, :func:`format_report`) and
+``cli.py`` (the flags and :func:`run_bench_serve`).
 """
 
 from llmlab.loadtest.cli import add_bench_serve_args, config_from_args, run_bench_serve
-from llmlab.loadtest.client import RequestResult, benchmark
+from llmlab.loadtest.client import benchmark
 from llmlab.loadtest.config import METRIC_TITLES, BenchConfig
 from llmlab.loadtest.datasets import (
     DEFAULT_JSON_OUTPUT_LEN,
@@ -44,7 +44,7 @@ from llmlab.loadtest.datasets import (
     random_requests,
     sample_requests,
 )
-from llmlab.loadtest.report import format_report, summarize
+from llmlab.loadtest.report import RequestResult, format_report, summarize
 
 __all__ = [
     "DEFAULT_JSON_OUTPUT_LEN",

@@ -17,41 +17,11 @@ import orjson
 
 from llmlab.loadtest.config import BenchConfig
 from llmlab.loadtest.datasets import BenchRequest, arrival_offsets_s, sample_requests
-from llmlab.loadtest.report import summarize
+from llmlab.loadtest.report import RequestResult, summarize
 
 if TYPE_CHECKING:  # imported where used, so `llmlab` starts without the HTTP clients
     import aiohttp
     import httpx
-
-
-@attrs.define
-class RequestResult:
-    """What happened to one request (seconds; ``send_s`` counts from the run's start).
-
-    ``prompt_tokens`` and ``output_tokens`` are the server's ``usage`` when it sent one, else
-    the prompt's length (tokens, or words without a tokenizer) and the number of text
-    chunks.
-    """
-
-    prompt_tokens: int
-    max_tokens: int
-    success: bool = False
-    error: str = ""
-    send_s: float = 0.0
-    ttft_s: float | None = None
-    e2el_s: float | None = None
-    itl_s: list[float] = attrs.Factory(list)
-    output_tokens: int = 0
-    generated_text: str = ""
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.e2el_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**attrs.asdict(self), "tpot_s": self.tpot_s}
 
 
 def _sse_data(line: str) -> str:

@@ -1,17 +1,46 @@
-"""A load test's statistics (:func:`summarize`) and vLLM's plain-text table of them
+"""A load test's results: what happened to each request (:class:`RequestResult`), the
+run's statistics (:func:`summarize`) and vLLM's plain-text table of them
 (:func:`format_report`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import attrs
 import numpy as np
 
 from llmlab.loadtest.config import METRIC_TITLES
 
-if TYPE_CHECKING:
-    from llmlab.loadtest.client import RequestResult
+
+@attrs.define
+class RequestResult:
+    """What happened to one request (seconds; ``send_s`` counts from the run's start).
+
+    ``prompt_tokens`` and ``output_tokens`` are the server's ``usage`` when it sent one, else
+    the prompt's length (tokens, or words without a tokenizer) and the number of text
+    chunks.
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    success: bool = False
+    error: str = ""
+    send_s: float = 0.0
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    itl_s: list[float] = attrs.Factory(list)
+    output_tokens: int = 0
+    generated_text: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2el_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "tpot_s": self.tpot_s}
 
 
 def _percentile_name(p: float) -> str:

@@ -4,7 +4,8 @@
 on the target device, because a random init of billions of parameters that the checkpoint
 immediately overwrites would dominate load time. The row-count check in
 :func:`llmlab.models.weights.load_mapped_weights` is what makes skipping init safe: a
-parameter the checkpoint does not fill is an error, never silent garbage.
+parameter the checkpoint does not fill is an error, never silent garbage. The one random
+init is ``load_format="dummy"`` (vLLM's, for benchmarks), which reads no weight file.
 """
 
 from __future__ import annotations
@@ -132,31 +133,65 @@ def _indexed_files(path: pathlib.Path, index_name: str) -> list[pathlib.Path] | 
     return [path / name for name in sorted(set(weight_map.values()))]
 
 
-def _weight_files(path: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
-    """Which files hold the weights, preferring safetensors, honouring shard indexes (so
-    stray extra files in the folder are not read)."""
-    for kind, index_name, pattern in (
-        ("safetensors", "model.safetensors.index.json", "*.safetensors"),
-        ("bin", "pytorch_model.bin.index.json", "pytorch_model*.bin"),
-    ):
+# vLLM's load_format names this loader reads -> the kinds of file each may read, in order of
+# preference ("dummy" reads none). EngineConfig.load_format checks the same names.
+_FILE_KINDS = {
+    "auto": ("safetensors", "bin"),
+    "safetensors": ("safetensors",),
+    "pt": ("bin",),
+    "dummy": (),
+}
+_KIND_FILES = {
+    "safetensors": ("model.safetensors.index.json", "*.safetensors"),
+    "bin": ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+}
+
+
+def _check_load_format(load_format: str) -> None:
+    if load_format not in _FILE_KINDS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(map(repr, _FILE_KINDS))}, "
+            f"got {load_format!r}"
+        )
+
+
+def _weight_files(
+    path: pathlib.Path, load_format: str = "auto"
+) -> tuple[str, list[pathlib.Path]]:
+    """Which files hold the weights, preferring safetensors (``load_format="auto"``),
+    honouring shard indexes (so stray extra files in the folder are not read)."""
+    _check_load_format(load_format)
+    if load_format == "dummy":
+        raise ValueError("load_format='dummy' reads no weight files")
+    kinds = _FILE_KINDS[load_format]
+    for kind in kinds:
+        index_name, pattern = _KIND_FILES[kind]
         files = _indexed_files(path, index_name)
         if files is None:
             files = sorted(p for p in path.glob(pattern) if not p.name.startswith("consolidated"))
         if files:
             return kind, files
-    raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    wanted = " or ".join(_KIND_FILES[kind][1] for kind in kinds)
+    if load_format == "auto":
+        raise FileNotFoundError(f"no {wanted} weights in {path}")
+    raise FileNotFoundError(
+        f"load_format={load_format!r} reads {wanted} weights, and {path} has none; "
+        "load_format='auto' takes whichever kind the folder has"
+    )
 
 
 def iterate_weights(
-    path: str | os.PathLike, lazy: bool = False
+    path: str | os.PathLike, lazy: bool = False, load_format: str = "auto"
 ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """Stream ``(name, tensor)`` from a model directory, one tensor at a time (CPU).
 
     ``lazy``: yield safetensors tensors as :class:`~llmlab.models.weights.LazyTensor`
     handles, valid until the next item, so that a tensor-parallel rank reads only its
-    slices (``.bin`` files are read whole either way).
+    slices (``.bin`` files are read whole either way). ``load_format`` (vLLM's):
+    ``"auto"`` reads safetensors, else ``.bin`` files; ``"safetensors"`` and ``"pt"``
+    read only that kind (``FileNotFoundError`` when the folder has none).
     """
-    kind, files = _weight_files(pathlib.Path(path))
+    kind, files = _weight_files(pathlib.Path(path), load_format)
     if kind == "safetensors":
         from safetensors import safe_open
 
@@ -193,6 +228,7 @@ def load_model(
     *,
     prepare: Callable[[nn.Module], object] | None = None,
     read_weights: Callable[[Iterator], Iterator] | None = None,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Build the model ``hf_config.architectures`` names and fill it from ``model_path``.
 
@@ -203,7 +239,10 @@ def load_model(
     ``prepare(model)`` runs on the model built on the meta device, before it is
     materialised (a quantized checkpoint's loader swaps in modules shaped like its
     tensors there); ``read_weights`` filters the checkpoint's ``(name, tensor)`` stream.
+    ``load_format`` (vLLM's) picks the files :func:`iterate_weights` reads; ``"dummy"``
+    reads none and fills the parameters with :func:`fill_dummy_weights` instead.
     """
+    _check_load_format(load_format)
     cls = get_model_class(config_value(hf_config, "architectures"))
     device = torch.device(device)
     dtype = resolve_dtype(dtype, hf_config, device)
@@ -213,11 +252,38 @@ def load_model(
         if prepare is not None:
             prepare(model)
     model = model.to_empty(device=device)
-    weights = iterate_weights(model_path, lazy=parallel)
-    model.load_weights(weights if read_weights is None else read_weights(weights))
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        weights = iterate_weights(model_path, lazy=parallel, load_format=load_format)
+        model.load_weights(weights if read_weights is None else read_weights(weights))
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in place of a checkpoint's (vLLM's ``load_format="dummy"``, for
+    benchmarks): each matrix drawn from N(0, 1/fan_in), so activations keep a realistic
+    scale through the layers; vectors are norm scales (1) or biases (0). Drawn on the
+    parameters' own device and dtype, the same for the same ``seed``. Parameters that are
+    not floating point (a quantized checkpoint's) cannot be drawn: ``ValueError``."""
+    generator = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters come once
+            if not param.is_floating_point():
+                raise ValueError(
+                    f"load_format='dummy' cannot fill {name} ({param.dtype}): only floating "
+                    "point weights can be drawn at random"
+                )
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
 
 
 def build_model_class(cls: type, hf_config: object, tp: TensorParallel | None = None):

@@ -53,17 +53,32 @@ class QuantizationSpec:
         dtype: torch.dtype,
         device: torch.device,
         tp=None,
+        *,
+        load_format: str = "auto",
     ) -> nn.Module:
-        """:func:`llmlab.models.loader.load_model` with the linears in this scheme."""
+        """:func:`llmlab.models.loader.load_model` with the linears in this scheme.
+
+        ``load_format="dummy"`` quantizes random float weights; a checkpoint saved
+        quantized cannot be drawn at random (its weights and scales are the checkpoint's),
+        so it is refused with ``ValueError``."""
         cls = self.linear_class
         if not self.prequantized:
-            model = load_model(model_path, hf_config, dtype, device, tp=tp)
+            model = load_model(model_path, hf_config, dtype, device, tp=tp,
+                               load_format=load_format)
             quantize_linears(model, cls)
             return model
+        if load_format == "dummy":
+            raise ValueError(
+                f"load_format='dummy' is not supported for a checkpoint saved quantized "
+                f"({self.scheme!r}, its config.json quantization_config): its weights and "
+                "scales come from its files; use load_format 'auto', 'safetensors' or 'pt', "
+                "or the float checkpoint with quantization set"
+            )
         model = load_model(
             model_path, hf_config, dtype, device, tp=tp,
             prepare=lambda meta_model: empty_quantized_linears(meta_model, cls),
             read_weights=lambda stream: checkpoint_weights(stream, model_path),
+            load_format=load_format,
         )
         finalize_quantized(model)
         return model

@@ -153,7 +153,8 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
 
     # Quantized linears (each rank its own shard) before prepacking, which packs the rest.
     load = load_model if plan.quantization is None else plan.quantization.load_model
-    model = for_device(load(model_path, hf_config, dtype, device, tp=tp))
+    model = for_device(load(model_path, hf_config, dtype, device, tp=tp,
+                            load_format=cfg.load_format))
     lora = None
     if cfg.enable_lora:  # wraps whatever linears loading, quantization, packing left
         lora = attach_lora(

@@ -1,21 +1,23 @@
-"""Grammar states and the batched mask (the per-sequence half of structured outputs).
+"""Compiled grammars, grammar states and the batched mask (the per-sequence half of
+structured outputs).
 
-A :class:`GrammarState` is one sequence's matcher (where in its grammar the output is);
-:func:`apply_grammar_masks` masks a whole batch's logits in place from the rows' states.
-Both come from :class:`~llmlab.sampling.structured.StructuredOutputBackend`, which
-compiles the grammars; see :mod:`llmlab.sampling.structured` for what the mask guarantees.
+A :class:`GrammarVocabulary` holds what a mask needs to know of one vocabulary (its size,
+its EOS ids, the ids never allowed, the EOS-only bitmask row); a :class:`CompiledGrammar`
+is one compiled constraint; a :class:`GrammarState` is one sequence's matcher (where in its
+grammar the output is); :func:`apply_grammar_masks` masks a whole batch's logits in place
+from the rows' states. All of them come from
+:class:`~llmlab.sampling.structured.StructuredOutputBackend` (a ``GrammarVocabulary`` that
+also compiles); see :mod:`llmlab.sampling.structured` for what the mask guarantees.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import attrs
 import torch
-
-if TYPE_CHECKING:
-    from llmlab.sampling.structured import CompiledGrammar, StructuredOutputBackend
 
 logger = logging.getLogger("llmlab.sampling.structured")
 
@@ -24,15 +26,67 @@ logger = logging.getLogger("llmlab.sampling.structured")
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class GrammarVocabulary:
+    """What a grammar's mask needs to know of one vocabulary, computed once.
+
+    Args:
+        xgr: the xgrammar module (its mask kernel applies the bitmask).
+        vocab_size: the model's vocabulary (the logits' last dimension).
+        eos_token_ids: the ids that end a sequence, each below ``vocab_size``.
+        never_token_ids: ids xgrammar never accepts (special tokens other than EOS):
+            :meth:`GrammarState.accept` refuses them before xgrammar logs a warning.
+    """
+
+    def __init__(self, xgr: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 never_token_ids: Iterable[int]) -> None:
+        self._xgr = xgr
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._never = frozenset(never_token_ids)
+        self.bitmask_width = (self.vocab_size + 31) // 32
+        eos_row = torch.zeros(self.bitmask_width, dtype=torch.int64)
+        for t in self.eos_token_ids:
+            eos_row[t // 32] |= 1 << (t % 32)
+        # int32 with the same bits (bit 31 makes a word negative).
+        self._eos_row = torch.where(eos_row >= 2**31, eos_row - 2**32, eos_row).to(torch.int32)
+        tail = self.vocab_size % 32
+        self._last_word_bits = -1 if tail == 0 else (1 << tail) - 1
+
+    def _rows_nonempty(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """Per row of a filled CPU bitmask: does it allow any token below vocab_size?"""
+        any_full = (bitmask[:, :-1] != 0).any(dim=1)
+        return any_full | ((bitmask[:, -1] & self._last_word_bits) != 0)
+
+
+@attrs.frozen(eq=False)
+class CompiledGrammar:
+    """A compiled constraint, shared by every sequence that uses it (read-only).
+
+    Attributes:
+        key: the cache key: the kind and a canonical form of the constraint.
+        xgr_grammar: xgrammar's ``CompiledGrammar``.
+    """
+
+    key: tuple
+    xgr_grammar: Any = attrs.field(repr=False)
+    # The backend that compiled it: its states need that backend's vocabulary.
+    _owner: GrammarVocabulary = attrs.field(repr=False, alias="owner")
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return self.key[0]
+
+
 class GrammarState:
     """Where one sequence is in its grammar. Not thread-safe.
 
-    Build with :meth:`StructuredOutputBackend.new_state`.
+    Build with :meth:`~llmlab.sampling.structured.StructuredOutputBackend.new_state`.
     """
 
     __slots__ = ("_backend", "_extra_eos", "_matcher", "_warned", "compiled")
 
-    def __init__(self, backend: StructuredOutputBackend, matcher: Any, compiled: CompiledGrammar):
+    def __init__(self, backend: GrammarVocabulary, matcher: Any, compiled: CompiledGrammar):
         self._backend = backend
         self._matcher = matcher
         self._extra_eos = 0  # EOS tokens accepted after termination (each a no-op)

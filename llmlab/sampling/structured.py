@@ -48,15 +48,17 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-import attrs
-import torch
-
 from llmlab.sampling.compile_worker import (
     compile_constraint,
     import_xgrammar as _import_xgrammar,
     xgr_message as _xgr_message,
 )
-from llmlab.sampling.grammar import GrammarState, apply_grammar_masks
+from llmlab.sampling.grammar import (
+    CompiledGrammar,
+    GrammarState,
+    GrammarVocabulary,
+    apply_grammar_masks,
+)
 from llmlab.sampling.params import StructuredOutputsParams
 
 
@@ -87,27 +89,9 @@ class CacheInfo(NamedTuple):
     currsize: int
 
 
-@attrs.frozen(eq=False)
-class CompiledGrammar:
-    """A compiled constraint, shared by every sequence that uses it (read-only).
-
-    Attributes:
-        key: the cache key: the kind and a canonical form of the constraint.
-        xgr_grammar: xgrammar's ``CompiledGrammar``.
-    """
-
-    key: tuple
-    xgr_grammar: Any = attrs.field(repr=False)
-    _owner: StructuredOutputBackend = attrs.field(repr=False, alias="owner")
-
-    @property
-    def kind(self) -> str:
-        """``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
-        return self.key[0]
-
-
-class StructuredOutputBackend:
-    """Compiles constraints for one tokenizer and vocabulary; one per engine.
+class StructuredOutputBackend(GrammarVocabulary):
+    """Compiles constraints for one tokenizer and vocabulary; one per engine. It is the
+    :class:`~llmlab.sampling.grammar.GrammarVocabulary` its states mask with.
 
     Args:
         tokenizer: the Hugging Face tokenizer the model's output is decoded with.
@@ -143,8 +127,6 @@ class StructuredOutputBackend:
             raise ValueError(
                 f"structured outputs need an EOS token id inside the vocabulary [0, {vocab_size})"
             )
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos
         self.max_cache_entries = int(max_cache_entries)
 
         try:
@@ -173,26 +155,15 @@ class StructuredOutputBackend:
                 add_prefix_space=info.add_prefix_space,
             )
         self.tokenizer_info = info
-        # Ids xgrammar never accepts; accept() refuses them before xgrammar logs a warning.
-        self._never = frozenset(info.special_token_ids) - set(eos)
+        super().__init__(xgr, vocab_size, eos, frozenset(info.special_token_ids) - set(eos))
         # We cache ourselves (bounded); xgrammar's own cache is unbounded by default.
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=int(compile_threads), cache_enabled=False
         )
-        self._xgr = xgr
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
         self._hits = 0
         self._misses = 0
-
-        self.bitmask_width = (vocab_size + 31) // 32
-        eos_row = torch.zeros(self.bitmask_width, dtype=torch.int64)
-        for t in eos:
-            eos_row[t // 32] |= 1 << (t % 32)
-        # int32 with the same bits (bit 31 makes a word negative).
-        self._eos_row = torch.where(eos_row >= 2**31, eos_row - 2**32, eos_row).to(torch.int32)
-        tail = vocab_size % 32
-        self._last_word_bits = -1 if tail == 0 else (1 << tail) - 1
 
     # ------------------------------------------------------------------ compilation
 
@@ -271,11 +242,6 @@ class StructuredOutputBackend:
     def cache_info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self._hits, self._misses, self.max_cache_entries, len(self._cache))
-
-    def _rows_nonempty(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """Per row of a filled CPU bitmask: does it allow any token below vocab_size?"""
-        any_full = (bitmask[:, :-1] != 0).any(dim=1)
-        return any_full | ((bitmask[:, -1] & self._last_word_bits) != 0)
 
     # ------------------------------------------------------------------ states
 

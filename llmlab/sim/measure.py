@@ -1,6 +1,7 @@
 """Measuring a machine's rates for the roofline: matmul FLOP/s and memory bandwidth, on
 CPU and CUDA (torch is imported when a measurement runs). Each takes the best of short
-trials, so other processes sharing the machine distort it as little as possible."""
+trials, so other processes sharing the machine distort it as little as possible. A rate
+that depends on the rows in flight is a :class:`RateCurve`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,45 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
+from llmlab.validation import as_real
+
 if TYPE_CHECKING:
-    from llmlab.sim.roofline import ModelShape, RateCurve
+    from llmlab.sim.model_shape import ModelShape
+
+
+@attrs.frozen
+class RateCurve:
+    """A matmul rate that depends on the rows in flight: measured at a few row counts,
+    interpolated linearly in log(rows) between them and flat beyond the ends. A step of 4
+    decode rows cannot reach the rate of a 2,048-row prefill, so each step is floored at
+    the rate of its own size."""
+
+    rows: tuple[int, ...]
+    flops_per_s: tuple[float, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.flops_per_s):
+            raise ValueError("RateCurve needs as many rates as row counts, at least one")
+        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"rows must be increasing and >= 1, got {self.rows}")
+        for rate in self.flops_per_s:
+            as_real("flops_per_s", rate, min=0, min_inclusive=False)
+
+    def __call__(self, rows: int) -> float:
+        xs, ys = self.rows, self.flops_per_s
+        if rows <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                t = (math.log(rows) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        return ys[-1]
+
+    @property
+    def peak(self) -> float:
+        return max(self.flops_per_s)
 
 
 def _torch_dtype(dtype: Any):
@@ -79,8 +117,6 @@ def measure_cpu_rate_curve(
             flops += work
             seconds += work / rate
         rates.append(flops / seconds)
-    from llmlab.sim.roofline import RateCurve
-
     return RateCurve(tuple(rows), tuple(rates))
 
 

@@ -517,7 +517,7 @@ class _CatchAllMiddleware:
 # cannot take even the smallest request.
 _WORK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
                          "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                         "/v2/rerank"})
+                         "/v2/rerank", "/classify", "/v1/classify"})
 
 
 class _FullServerMiddleware:

@@ -5,6 +5,8 @@
   (little-endian float32 bytes, as OpenAI encodes them, which the ``openai`` client asks
   for by default); ``dimensions`` (Matryoshka truncation); ``usage``.
 * ``POST /pooling``: the task's raw output per input (``data``), vLLM's ``/pooling``.
+* ``POST /classify`` (and ``/v1/classify``): a classifier's ``probs`` per input, with the
+  ``label`` of the likeliest class from the checkpoint's ``id2label`` (vLLM's).
 * ``POST /score`` (and ``/v1/score``): ``text_1`` against ``text_2`` (one against many, or
   pairwise), ``data[i].score``: a cross-encoder's sigmoid, or the cosine similarity of two
   embeddings.
@@ -20,6 +22,7 @@ with nothing queued.
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at runtime.
 import asyncio
 import base64
+import functools
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -41,7 +44,7 @@ TokenIds = p.TokenIds
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 
 # Served outside /v1 too; build_app puts them behind the API key as /v1 is.
-KEYED_PATHS = ("/pooling", "/score", "/rerank", "/v2/rerank")
+KEYED_PATHS = ("/pooling", "/classify", "/score", "/rerank", "/v2/rerank")
 
 
 class _Request(BaseModel):
@@ -71,6 +74,18 @@ class PoolingRequest(EmbeddingRequest):
 
     task: Literal["embed", "classify", "score", "encode"] | None = None
     use_activation: p.Bool | None = None
+
+
+class ClassificationRequest(_Request):
+    """``POST /classify`` (vLLM's): ``input`` a string or strings (token ids too, as
+    current vLLM takes them); ``use_activation=False`` returns the logits."""
+
+    model: Str | None = None
+    input: list[TokenIds] | TokenIds | list[Str] | Str
+    truncate_prompt_tokens: Int | None = None
+    user: Str | None = None
+    use_activation: p.Bool | None = None
+    priority: Int = 0
 
 
 class ScoreRequest(_Request):
@@ -132,6 +147,27 @@ class PoolingResponse(_Response):
     usage: PoolingUsage
 
 
+class ClassificationData(_Response):
+    """One input's classes: ``probs`` (logits with ``use_activation=False``) and the
+    ``label`` of the likeliest (None when the checkpoint names none)."""
+
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_Response):
+    """``POST /classify``'s answer (vLLM's ``ClassificationResponse``)."""
+
+    id: str = Field(default_factory=lambda: p.random_id("classify"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=p.now)
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
 class ScoreData(_Response):
     index: int
     object: Literal["score"] = "score"
@@ -188,7 +224,7 @@ def refuse_generation(request: Request) -> None:
     if getattr(serving.engine.engine, "pooling", None) is not None:
         raise APIError(
             "The model does not support the Completions API: it is a pooling model "
-            "(runner='pooling'); use /v1/embeddings, /pooling, /score or /rerank"
+            "(runner='pooling'); use /v1/embeddings, /pooling, /classify, /score or /rerank"
         )
 
 
@@ -314,6 +350,51 @@ async def pooling(serving: Any, body: PoolingRequest) -> PoolingResponse:
     return PoolingResponse(model=model, data=data, usage=_usage(outputs))
 
 
+@functools.lru_cache(maxsize=8)
+def _id2label(model: str, revision: str | None, download_dir: str | None) -> dict[int, str]:
+    """The checkpoint's class names by index (``config.json``'s ``id2label``, with
+    transformers' ``LABEL_i`` defaults), read once per model: the engine keeps no HF
+    config, and the labels are the classify route's alone."""
+    from transformers import AutoConfig
+
+    from llmlab.models.loader import resolve_model_path
+
+    path = resolve_model_path(model, revision, cache_dir=download_dir)  # already local
+    labels = getattr(AutoConfig.from_pretrained(path), "id2label", None) or {}
+    return {int(index): str(name) for index, name in labels.items()}
+
+
+async def _labels(serving: Any) -> dict[int, str]:
+    cfg = serving.engine.engine.config
+    try:
+        return await asyncio.to_thread(_id2label, cfg.model, cfg.revision, cfg.download_dir)
+    except (OSError, ValueError):
+        # The engine loaded from there moments ago; if the config cannot be read again,
+        # answer without labels (vLLM's label may be null) rather than fail the request.
+        return {}
+
+
+async def classify(serving: Any, body: ClassificationRequest) -> ClassificationResponse:
+    """Each input's class probabilities and label; admitted, queued and refused as
+    :func:`embeddings` is."""
+    _spec(serving, "Classification")
+    model = serving.check_model(body.model)
+    prompts = _inputs(body.input)
+    _check_capacity(serving, len(prompts), "input")
+    params = _params(task="classify", use_activation=body.use_activation,
+                     truncate_prompt_tokens=body.truncate_prompt_tokens)
+    outputs = await _pool(serving, prompts, params, body,
+                          ("input", "truncate_prompt_tokens", "task", "use_activation"))
+    labels = await _labels(serving)
+    data = []
+    for i, output in enumerate(outputs):
+        probs = output.outputs.data.tolist()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(ClassificationData(index=i, label=labels.get(best), probs=probs,
+                                       num_classes=len(probs)))
+    return ClassificationResponse(model=model, data=data, usage=_usage(outputs))
+
+
 def _pairs(text_1: Any, text_2: Any) -> list[tuple[str, str]]:
     first = [text_1] if isinstance(text_1, str) else list(text_1)
     second = [text_2] if isinstance(text_2, str) else list(text_2)
@@ -423,6 +504,12 @@ async def create_embeddings(body: EmbeddingRequest, serving: Serving):
 @router.post("/pooling", response_model=PoolingResponse, responses=_ERRORS)
 async def create_pooling(body: PoolingRequest, serving: Serving):
     return await pooling(serving, body)
+
+
+@router.post("/classify", response_model=ClassificationResponse, responses=_ERRORS)
+@router.post("/v1/classify", response_model=ClassificationResponse, responses=_ERRORS)
+async def create_classify(body: ClassificationRequest, serving: Serving):
+    return await classify(serving, body)
 
 
 @router.post("/score", response_model=ScoreResponse, responses=_ERRORS)

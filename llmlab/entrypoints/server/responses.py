@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import orjson
@@ -29,15 +29,21 @@ from llmlab.entrypoints.server.logprobs import _chat_logprobs, _LogprobText, _pr
 from llmlab.entrypoints.server.request_params import _default
 from llmlab.entrypoints.server.tools import ToolMode, ToolStreamer, final_message, finish_reason
 
-if TYPE_CHECKING:
-    from llmlab.entrypoints.server.serving import OpenAIServing, _Prompt
-
 logger = logging.getLogger(__name__)
 
 
 @attrs.define
+class _Prompt:
+    """A prompt as the engine takes it: its text (None when given as token ids) and ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@attrs.define
 class _CompletionRun:
-    serving: OpenAIServing
+    tokenizer: Any  # the server's (None: it has none)
+    as_ids: bool  # logprob tokens as "token_id:{id}" (return_tokens_as_token_ids, resolved)
     request: p.CompletionRequest
     model: str
     prompts: list[_Prompt]
@@ -52,21 +58,17 @@ class _CompletionRun:
     def n(self) -> int:
         return _default(self.request.n, 1)
 
-    @property
-    def _as_ids(self) -> bool:
-        return _as_ids(self.serving, self.request)
-
     def _prompt_text(self, i: int) -> str:
         prompt = self.prompts[i]
         if prompt.text is not None:
             return prompt.text
-        return self.serving.tokenizer.decode(prompt.token_ids) if self.serving.tokenizer else ""
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer else ""
 
     async def collect(self) -> p.CompletionResponse:
         finals = await asyncio.gather(*(_last(s) for s in self.streams))
         choices = []
         completion_tokens = 0
-        tokenizer = self.serving.tokenizer
+        tokenizer = self.tokenizer
         for i, out in enumerate(finals):
             prompt_logprobs = None
             if self.request.prompt_logprobs is not None:
@@ -75,7 +77,7 @@ class _CompletionRun:
                 text = "" if self.echo_only else c.text
                 logprobs = None
                 if self.request.logprobs is not None:
-                    logprobs = _LogprobText(tokenizer, self._as_ids)
+                    logprobs = _LogprobText(tokenizer, self.as_ids)
                     if self.request.echo:
                         logprobs.add(out.prompt_token_ids, out.prompt_logprobs,
                                      self.request.logprobs)
@@ -131,7 +133,7 @@ class _CompletionRun:
                     logprobs = None
                     if self.request.logprobs is not None:
                         lp = offsets.setdefault(
-                            index, _LogprobText(self.serving.tokenizer, self._as_ids))
+                            index, _LogprobText(self.tokenizer, self.as_ids))
                         lp.reset()
                         if self.request.echo and index not in prompt_sent:
                             prompt_sent.add(index)
@@ -164,7 +166,8 @@ class _CompletionRun:
 
 @attrs.define
 class _ChatRun:
-    serving: OpenAIServing
+    tokenizer: Any  # the server's (None: it has none)
+    as_ids: bool  # logprob tokens as "token_id:{id}" (return_tokens_as_token_ids, resolved)
     request: p.ChatCompletionRequest
     model: str
     prompt: _Prompt
@@ -178,9 +181,8 @@ class _ChatRun:
     def _logprobs(self, c) -> dict | None:
         if not self.request.logprobs:
             return None
-        return _chat_logprobs(self.serving.tokenizer, c.token_ids, c.logprobs,
-                              self.request.top_logprobs or 0,
-                              as_ids=_as_ids(self.serving, self.request))
+        return _chat_logprobs(self.tokenizer, c.token_ids, c.logprobs,
+                              self.request.top_logprobs or 0, as_ids=self.as_ids)
 
     def _finish_reason(self, reason: str | None, called: bool = False) -> str | None:
         """vLLM's: "tool_calls" when a tool_choice made calls (tools.finish_reason)."""
@@ -207,7 +209,7 @@ class _ChatRun:
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         prompt_logprobs = None
         if self.request.prompt_logprobs is not None:
-            prompt_logprobs = _prompt_logprobs(self.serving.tokenizer, out.prompt_logprobs)
+            prompt_logprobs = _prompt_logprobs(self.tokenizer, out.prompt_logprobs)
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices,
             usage=_usage(len(self.prompt.token_ids), completion_tokens),
@@ -267,11 +269,6 @@ class _ChatRun:
         finally:
             self.stream_.abort()
         yield _DONE
-
-
-def _as_ids(serving: OpenAIServing, request) -> bool:
-    """``return_tokens_as_token_ids``: the request's, else the server's default."""
-    return _default(request.return_tokens_as_token_ids, serving.return_tokens_as_token_ids)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:

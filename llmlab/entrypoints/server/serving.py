@@ -37,7 +37,12 @@ from llmlab.entrypoints.server.request_params import (
     _structured,
     _unsupported,
 )
-from llmlab.entrypoints.server.responses import _ChatRun, _CompletionRun, _until_disconnected
+from llmlab.entrypoints.server.responses import (
+    _ChatRun,
+    _CompletionRun,
+    _Prompt,
+    _until_disconnected,
+)
 from llmlab.entrypoints.server.templates import TemplateProcesses, TemplateTimeout
 from llmlab.entrypoints.server.tools import check_tools, template_tools, tool_constraint
 from llmlab.validation import check_encodable
@@ -47,12 +52,6 @@ _FROM_REQUEST = object()
 
 # What waiting for a request template's render may add for starting its worker processes.
 _WORKER_START_S = 60.0
-
-
-@attrs.define
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
 
 
 
@@ -128,6 +127,10 @@ class OpenAIServing:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    def _tokens_as_ids(self, request) -> bool:
+        """``return_tokens_as_token_ids``: the request's, else the server's default."""
+        return _default(request.return_tokens_as_token_ids, self.return_tokens_as_token_ids)
 
     def check_model(self, model: str | None) -> str:
         """The served name the request is for; 404 for a model this server does not serve."""
@@ -238,7 +241,8 @@ class OpenAIServing:
         ]
         self._settle(ticket, request, prompts, params_list)
         streams = await self._add_all(prompts, params_list, request, ticket, client)
-        run = _CompletionRun(self, request, model, prompts, streams, echo_only=echo_only)
+        run = _CompletionRun(self.tokenizer, self._tokens_as_ids(request), request, model,
+                             prompts, streams, echo_only=echo_only)
         if request.stream:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)
@@ -328,7 +332,8 @@ class OpenAIServing:
         # vLLM's role: the server's response_role, or with no generation prompt (the model
         # continues the last message) that message's role
         role = self.response_role if request.add_generation_prompt else last.role
-        run = _ChatRun(self, request, model, prompt, streams[0], echo, role, tool_mode)
+        run = _ChatRun(self.tokenizer, self._tokens_as_ids(request), request, model, prompt,
+                       streams[0], echo, role, tool_mode)
         if request.stream:
             return run.stream()
         return await _until_disconnected(run.collect(), streams, disconnected)

@@ -1,0 +1,36 @@
+"""``build_engine``: the engine ``LLM(model, tokenizer, **settings)`` and
+``AsyncEngine.from_settings`` run, chosen by ``data_parallel_size``.
+
+One replica (the default) is a plain :class:`~llmlab.engine.engine.Engine` from
+:class:`~llmlab.engine.builder.EngineBuilder`; ``data_parallel_size > 1`` is a
+:class:`~llmlab.distributed.data_parallel.DataParallelEngine` (replicas in processes of
+their own, behind a router). Both are an :class:`~llmlab.engine.client.EngineClient`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmlab.distributed.data_parallel import DataParallelEngine, check_data_parallel_settings
+from llmlab.engine.builder import EngineBuilder
+from llmlab.engine.client import EngineClient
+
+__all__ = ["build_engine"]
+
+
+def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None,
+                 replica_heartbeat_timeout_s: float | None = None,
+                 replica_wedged_after_s: float | None = None, **settings: Any) -> EngineClient:
+    """The engine ``settings`` describe (``EngineConfig`` fields and components, as
+    ``LLM`` takes them; ``ValueError``/``TypeError`` naming a bad one, before anything
+    loads). ``router`` and the ``replica_*`` deadlines
+    (:meth:`DataParallelEngine.from_settings`) are used with ``data_parallel_size > 1``,
+    and checked (unused) with one replica, so a typo fails either way."""
+    builder = EngineBuilder.from_settings(model, tokenizer, **settings)  # checks settings
+    deadlines = {"replica_heartbeat_timeout_s": replica_heartbeat_timeout_s,
+                 "replica_wedged_after_s": replica_wedged_after_s}
+    if builder.config.data_parallel_size > 1:
+        return DataParallelEngine.from_settings(model, tokenizer, router=router, **deadlines,
+                                                **settings)
+    check_data_parallel_settings(router, **deadlines)
+    return builder.build()
