@@ -1,31 +1,28 @@
 """Feature plugins: what a feature adds to a step, on the scheduler's side and the runner's.
 
-A feature (LoRA, pooling, a KV press, a stop rule of your own) plugs into the engine
-instead of being threaded through it. It has up to two sides, linked by its ``name``:
+A feature (LoRA, pooling, a KV press, speculation's lookahead, a stop rule of your own)
+plugs into the engine instead of being threaded through it, with up to two sides linked by
+its ``name``:
 
-* a :class:`SchedulerPlugin` runs in the engine process next to the scheduler. It sees
-  live requests, keeps its own per-request state (keyed by request id), may hold a
-  waiting request back, plans its part of each step as a *side map* (request id -> plain,
-  picklable data) that travels in ``ScheduledBatch.sides[name]``, and commits what the
-  step returned (``BatchOutput.sides[name]``, one item per entry);
-* a :class:`RunnerPlugin` runs beside the model runner, on every tensor-parallel rank.
-  It keeps per-row state (started on a row's first entry, dropped when the batch frees
-  the row or a failed step resets the runner), and works before and after the forward.
+* a :class:`SchedulerPlugin`, next to the scheduler: it sees live requests, keeps its own
+  per-request state (by request id), may hold a waiting request back, plans its part of
+  each step as a *side map* (request id -> plain, picklable data, in
+  ``ScheduledBatch.sides[name]``) and commits what the step returned
+  (``BatchOutput.sides[name]``, one item per entry);
+* a :class:`RunnerPlugin`, beside the model runner on every tensor-parallel rank: per-row
+  state (started on a row's first entry, dropped when the row is freed or a failed step
+  resets the runner), work before and after the forward.
 
-Every hook has a do-nothing default: a plugin overrides the few it needs. Both sides get
-their engine part through one hook, ``bind``, called once when the engine is assembled.
-The engine core never names a feature; it calls these hooks in the order documented on
-each, and the failure rule of ``docs/components.md`` applies to a plugin as to any
-component: a hook that raises fails the step it ran in (the engine raises it after
-keeping its state consistent); per-request trouble should end that request instead
-(return a stop reason from :meth:`SchedulerPlugin.commit`, or a per-entry failure from
-:meth:`RunnerPlugin.after_forward`).
+Every hook has a do-nothing default; both sides bind through one hook, ``bind``. The core
+never names a feature. A hook that raises fails the step it ran in (state kept
+consistent, raised after the step: docs/components.md); trouble with one request should
+end that request instead (a stop reason from ``commit``, a failure from ``after_forward``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:  # annotations only: this module sits below the scheduler and runner
     from llmlab.request import Request
@@ -169,16 +166,12 @@ class RunnerPlugin:
         """The engine shuts down: release what the feature holds."""
 
 
-class StepPlan:
-    """What a :meth:`SchedulerPlugin.plan` call sees: the step's entries to plan (the
-    running requests' or the admitted ones'), their live requests by id, and the
-    scheduler's KV cache manager (to reserve blocks)."""
+class StepPlan(NamedTuple):
+    """What a :meth:`SchedulerPlugin.plan` call sees: the step's entries to plan, their live
+    requests by id, the scheduler's KV cache manager (to reserve blocks), and the phase
+    (``"running"``: before admission, or ``"admitted"``)."""
 
-    __slots__ = ("entries", "requests", "kv", "phase")
-
-    def __init__(self, entries: Sequence[Any], requests: Mapping[str, Request], kv: Any,
-                 phase: str) -> None:
-        self.entries = entries
-        self.requests = requests
-        self.kv = kv
-        self.phase = phase  # "running" or "admitted"
+    entries: Sequence[Any]
+    requests: Mapping[str, Request]
+    kv: Any
+    phase: str

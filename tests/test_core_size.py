@@ -22,7 +22,7 @@ CORE = (
     "llmlab/scheduler/rows.py",  # row allocation
     "llmlab/scheduler/policy.py",  # the policy interface
     "llmlab/scheduler/batch.py",  # the step contract
-    "llmlab/cache/kv_cache_manager.py",  # device blocks, tables, prefix caching
+    "llmlab/cache/kv_cache_manager.py",  # device blocks and tables (roles beside it: cache/)
     "llmlab/cache/block_pool.py",  # the block pool
     "llmlab/runner/model_runner.py",  # executing a batch
     "llmlab/runner/executor.py",  # the executor contract

@@ -6,16 +6,12 @@ decides what finished; output processing finds stop strings and builds outputs) 
 one :class:`~llmlab.observe.events.StepEvent` -> return outputs. Build one with
 :class:`~llmlab.engine.builder.EngineBuilder` (or ``LLM(...)``).
 
-The engine is the mechanism that joins three parts, each the only writer of its facts:
-input processing (:mod:`llmlab.engine.inputs`: checks, tokenization, the sample-group
-fan-out), the scheduler (every request's lifecycle, KV blocks and rows), and output
-processing (:mod:`llmlab.engine.output_processor`: text, stop strings, what was reported).
-The executor receives plain data and returns tokens; it writes nothing of the engine's.
-
-Hard edges: requests are checked before anything is queued (errors name the field);
-bookkeeping runs with Ctrl-C deferred (:mod:`llmlab.engine.interrupts`); failing user
-components are raised after the step as :class:`~llmlab.errors.ComponentError`; an
-observer that raises is logged and skipped; steps are serialized across threads.
+It joins three parts, each the only writer of its facts: input processing
+(:mod:`llmlab.engine.intake`, :mod:`llmlab.engine.inputs`), the scheduler (lifecycles, KV
+blocks, rows) and output processing (:mod:`llmlab.engine.output_processor`); the executor
+gets plain data and writes nothing of the engine's. Bookkeeping runs with Ctrl-C deferred;
+failing user components are raised after the step as
+:class:`~llmlab.errors.ComponentError`; steps are serialized across threads.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from llmlab.attention.backend import AttentionContext, token_slots
-from llmlab.scheduler.batch import BlockTables, ScheduledBatch
+from llmlab.runner.block_tables import BlockTables
+from llmlab.scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,8 @@
 """The executor seam and the engine's clock.
 
 The engine drives an :class:`Executor` with one :class:`~llmlab.scheduler.batch.ScheduledBatch`
-per step and reads time from a clock; it never touches tensors itself. The
-:class:`~llmlab.runner.model_runner.ModelRunner` is the executor that runs a real model. A
-cost-model executor advancing a :class:`VirtualClock` can drive the very same scheduler and
-KV cache manager, unchanged, to study policies at scale.
+per step and reads time from a clock. The :class:`~llmlab.runner.model_runner.ModelRunner`
+runs a real model; the simulator's cost model advances a :class:`VirtualClock` instead.
 """
 
 from __future__ import annotations

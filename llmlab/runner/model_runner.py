@@ -1,16 +1,14 @@
 """The model runner: the :class:`~llmlab.runner.executor.Executor` that runs a real model.
 
-It turns a :class:`~llmlab.scheduler.batch.ScheduledBatch` into tensors, runs the model and
-samples; everything it needs comes in the batch (rows, token spans, block-table changes,
-row setups), so it never reads the scheduler, the KV cache manager or a ``Request``. The
-batch is flat: the new tokens of every scheduled request are concatenated (no padding),
-positions and KV slots are given per token, and logits are computed only for the
-positions each entry asks to score.
+It turns a :class:`~llmlab.scheduler.batch.ScheduledBatch` into tensors (flat, no padding:
+:mod:`llmlab.runner.inputs`), runs the model and samples (:mod:`llmlab.runner.sampling`);
+everything it needs comes in the batch (rows, token spans, block-table changes, row
+setups), so it never reads the scheduler, the KV cache manager or a ``Request``.
 
 Per-row state, created when a row's first entry arrives (its ``setup``, or a fork) and
 dropped when the batch frees the row:
 
-* the block table (:class:`~llmlab.scheduler.batch.BlockTables`, one persistent array
+* the block table (:class:`~llmlab.runner.block_tables.BlockTables`, one persistent array
   updated from each entry's change, so a decode step copies no table);
 * the sampling state (:class:`~llmlab.sampling.metadata.SamplingRow`: parameters, prompt,
   tokens sampled so far, grammar matcher, seeded stream);
@@ -31,26 +29,19 @@ import attrs
 import numpy as np
 import torch
 
-from llmlab.attention.backend import (
-    AttentionBackend,
-    AttentionContext,
-    AttentionInputs,
-    token_slots,
-)
+from llmlab.attention.backend import AttentionBackend, AttentionContext, AttentionInputs
 from llmlab.cache.kv_tensors import HostKVCaches
 from llmlab.errors import ComponentError
 from llmlab.plugin import RunnerPlugin
 from llmlab.runner.cuda_graphs import DecodeGraphs
 from llmlab.runner.host_kv import apply_transfers
+from llmlab.runner.inputs import batch_inputs, kv_offsets
 from llmlab.runner.sampling import Sampling
-from llmlab.sampling.metadata import (
-    GrammarFactory,
-    ParamColumns,
-    SamplingRow,
-)
+from llmlab.sampling.metadata import GrammarFactory, ParamColumns, SamplingRow
 from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
-from llmlab.scheduler.batch import BatchOutput, BlockTables, ScheduledBatch
+from llmlab.runner.block_tables import BlockTables
+from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.speculative.speculator import Speculator
 from llmlab.threads import ThreadGovernor
 
@@ -119,8 +110,6 @@ class ModelRunner(Sampling):
     def plugin(self, name: str) -> RunnerPlugin | None:
         """The plugged-in feature called ``name``, or None."""
         return next((p for p in self.plugins if p.name == name), None)
-
-    # -- the executor interface --------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch) -> BatchOutput:
         """Release freed rows, set up new ones, apply block copies, run the model, sample."""
@@ -205,15 +194,9 @@ class ModelRunner(Sampling):
         return output
 
     def kv_offsets(self, batch: ScheduledBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Per entry, positions its row no longer caches (a KV press compacted it: KV is
-        written and read at ``position - dropped``), and per layer and entry how many
-        fewer tokens that layer holds; None where no plugin says so."""
-        dropped = layer_shift = None
-        for plugin in self.plugins:
-            d, shift = plugin.kv_offsets(batch)
-            dropped = d if dropped is None else dropped
-            layer_shift = shift if layer_shift is None else layer_shift
-        return dropped, layer_shift
+        """Per entry, positions its row no longer caches, and per layer and entry how many
+        fewer tokens that layer holds (:func:`~llmlab.runner.inputs.kv_offsets`)."""
+        return kv_offsets(self.plugins, batch)
 
     def shutdown(self) -> None:
         """Release the host KV pools (a disk tier's temporary directory is removed)."""
@@ -259,60 +242,11 @@ class ModelRunner(Sampling):
         attention_state: Any = None,
         block_tables: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
-        """Flat ``input_ids``, ``positions`` and the attention description of a batch.
-
-        ``block_tables``: ``[len(entries), width]`` tables of the entries, for a batch
-        that is not this runner's (a profiling pass); by default the rows' own.
-        """
-        entries = batch.entries
-        n = len(entries)
-        # Host-side index arithmetic in numpy: a few small arrays per step, where each
-        # torch op would cost more in dispatch than in work. One pass over the entries.
-        cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
-        lens, start = cols[:, 0], cols[:, 1]
-        # A row a feature compacted (a KV press) holds fewer tokens than its positions
-        # count: its KV is written and read at ``position - dropped``.
-        dropped, layer_shift = self.kv_offsets(batch)
-        kv_start = start if dropped is None else start - dropped
-        seq_lens = kv_start + lens
-        bs = self.block_size
-        if block_tables is None:
-            width = int(-(-seq_lens.max() // bs))
-            block_tables = self.block_tables.tables[cols[:, 2], :width]
-        num_tokens = int(lens.sum())
-        if num_tokens == n:  # all decodes: one token at each start
-            seq_index = np.arange(n)
-            pos = start
-            input_ids = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
-        else:
-            seq_index = np.repeat(np.arange(n), lens)
-            # Position of each flat token: its sequence's start plus its offset in the span.
-            first = np.cumsum(lens) - lens
-            pos = np.arange(num_tokens) - first[seq_index] + start[seq_index]
-            input_ids = np.fromiter(
-                (t for e in entries for t in e.token_ids), np.int64, num_tokens
-            )
-        kv_pos = pos if dropped is None else pos - dropped[seq_index]
-        slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
-        dev = self.device
-        inputs = AttentionInputs(
-            query_lens=lens.tolist(),
-            seq_lens=seq_lens.tolist(),
-            block_tables=torch.from_numpy(block_tables),
-            slot_mapping=slots.to(dev),
-            block_size=bs,
-            device=dev,
-            rows=tuple(e.row for e in entries),
-            # Layers holding different counts read the paged cache: no per-row copy.
-            state=attention_state if layer_shift is None else None,
-            layer_shift=layer_shift,
-        )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(pos).to(dev),
-            inputs,
-        )
-
+        """Flat ``input_ids``, ``positions`` and the attention description of a batch
+        (:func:`~llmlab.runner.inputs.batch_inputs`). ``block_tables``: ``[len(entries),
+        width]`` tables of the entries, for a batch that is not this runner's (a profiling
+        pass); by default the rows' own."""
+        return batch_inputs(self, batch, attention_state, block_tables)
     def run_model(
         self,
         batch: ScheduledBatch,

@@ -1,14 +1,8 @@
-"""Admission: which waiting requests join the running batch in a step, and where each
-starts.
-
-The half of :class:`~llmlab.scheduler.scheduler.Scheduler` that spends what the running
-requests left of the step's budget on waiting ones: pops them in the policy's order, asks
-the policy's optional ``admit`` and the plugins (``admissible``), looks up each one's
-longest cached prefix (device, then the offload tier; a request preempted by swapping
-resumes where it stopped), reserves its KV blocks and a row, and lets a policy with
-``preempt_for`` preempt running requests to make room. A mixin of ``Scheduler`` (as
-:mod:`.lifecycle` is), kept in its own file so each role reads on its own.
-"""
+"""Admission (a mixin of :class:`~llmlab.scheduler.scheduler.Scheduler`): what the running
+requests left of the step's budget goes to waiting ones, popped in the policy's order
+(its optional ``admit`` and the plugins' ``admissible`` may hold one back), each after its
+longest cached prefix (device, then the offload tier; a request swapped out resumes where
+it stopped), with its KV blocks and a row; a policy's ``preempt_for`` may make room."""
 
 from __future__ import annotations
 

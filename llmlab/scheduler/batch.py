@@ -5,21 +5,12 @@ what an executor in another process (a tensor-parallel worker, a simulator) rece
 names requests by id and never carries the live ``Request``, so an executor cannot change
 lifecycle state; the scheduler does that with the returned :class:`BatchOutput`.
 
-* per request: a stable ``row`` (assigned at admission, held until the request finishes,
-  is preempted or aborted), the span of tokens to compute and where it starts, the change
-  to the row's block table since the row's previous entry, how many trailing positions
-  of the span to score, and, on the row's first entry, a :class:`RowSetup` from which the
-  executor builds its per-row state (sampling parameters as admitted, the prompt, tokens
-  generated before a preemption);
-* for the whole step: rows released since the previous batch (their per-row state in an
-  executor or backend is dead), KV transfers between the device pool and the host pools
-  (swap out / in, spills to and loads from the prefix cache's second tier:
-  :class:`~llmlab.cache.transfers.KVTransfer`), then KV block copies (copy-on-write), all
-  to apply in that order before the forward pass.
-
+Per request an entry carries its stable ``row``, the span to compute, its block table's
+change and the positions to score (and, on a row's first entry, a :class:`RowSetup`); per
+step, the rows released, KV transfers and block copies to apply before the forward pass.
 Execution answers with a :class:`BatchOutput`: per entry, a *list* of tokens with their
-log-probabilities (empty for a prefill chunk that scores nothing), so sampling several
-tokens per request (n > 1, beams, accepted speculative drafts) needs no contract change.
+log-probabilities, so several tokens per request (n > 1, beams, accepted speculative
+drafts) need no contract change.
 
 A feature plugged in through :mod:`llmlab.plugin` (LoRA, pooling, a KV press, ...) adds
 no field here: its per-request data travels in the batch's ``sides[name]`` (request id ->
@@ -33,12 +24,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import attrs
-import numpy as np
 
 from llmlab.cache.transfers import KVTransfer
 from llmlab.pooling_params import PoolingParams
 from llmlab.sampling.params import SamplingParams
+from llmlab.scheduler.records import Admission
 from llmlab.validation import FrozenDict
+
+__all__ = ["Admission", "BatchOutput", "Fork", "RowSetup", "ScheduledBatch", "ScheduledRequest"]
 
 NO_SIDES: FrozenDict = FrozenDict()
 
@@ -65,10 +58,9 @@ class RowSetup:
 
 @attrs.frozen
 class Fork:
-    """A parallel sample (n / best_of) that starts at its leader's sample this step: it is
-    drawn from the same logits with its own parameters, and its row's state starts then
-    (from the leader's prompt). The scheduler then gives it the leader's KV blocks by
-    reference; its own entries follow from the next step."""
+    """A parallel sample (n / best_of) starting at its leader's sample this step: drawn
+    from the same logits with its own parameters; it then takes the leader's KV blocks by
+    reference, and its own entries follow from the next step."""
 
     request_id: str
     row: int
@@ -85,11 +77,9 @@ class ScheduledRequest(NamedTuple):
         start: positions already in the KV cache (prefix hit or earlier steps); the span
             covers positions ``start .. start + len(token_ids) - 1``.
         token_ids: the tokens to compute this step.
-        blocks_from, blocks: the row's block table changed from index ``blocks_from`` on;
-            its entries from there are ``blocks`` (so ``table[blocks_from:] = blocks``).
-            The first entry of a row sends the whole table (``blocks_from == 0``); later
-            ones usually nothing, or one new block. Executors keep the table per row
-            (:class:`BlockTables`).
+        blocks_from, blocks: ``table[blocks_from:] = blocks`` for the row's block table
+            (a row's first entry sends the whole table; later ones usually nothing, or
+            one new block).
         num_scored: how many trailing positions of the span are scored (their logits go to
             the sampler): 1 when the span reaches the request's last known token, 0 for a
             prefill chunk that stops short of it.
@@ -99,11 +89,9 @@ class ScheduledRequest(NamedTuple):
         prompt_logprobs_from: for a request asking for prompt logprobs, the first position
             whose next prompt token still needs scoring; -1 when none is asked for.
         num_prompt_tokens: the request's prompt length (what is prefill, what decode).
-        num_lookahead: for a speculating decode, the most draft tokens the executor may
-            propose and verify after ``token_ids`` (the scheduler budgeted ``1 +
-            num_lookahead`` tokens and reserved KV blocks for them); the executor returns
-            the accepted draft tokens followed by one of the target's own. 0: no
-            speculation.
+        num_lookahead: the most extra tokens (speculative drafts) the executor may compute
+            after ``token_ids``, budgeted and with KV blocks reserved; it returns the
+            accepted ones and one of its own (0: none).
     """
 
     request_id: str
@@ -142,35 +130,6 @@ class ScheduledRequest(NamedTuple):
         """A one-token span past the prompt (the one place this is decided); everything
         else is prefill: prompt chunks, and recomputation after preemption."""
         return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
-
-
-@attrs.frozen
-class Admission:
-    """A request admitted to running in a step (first time, or resumed after preemption).
-
-    Attributes:
-        request_id: the request.
-        arrival_time: when it was added (the engine clock), for queueing-time metrics.
-        num_prompt_tokens: its prompt length.
-        num_queried_tokens: tokens looked up in the prefix cache at admission (0 when no
-            lookup ran: prefix caching off, or prompt logprobs asked for).
-        num_cached_tokens: how many of them were found there (not computed again).
-        resumed: whether it was preempted before (its KV is being recomputed, or swapped
-            back in).
-        num_offloaded_tokens: of ``num_cached_tokens``, those found in the prefix cache's
-            second tier (loaded back this step); the rest were on the device.
-        num_swapped_tokens: tokens whose KV was swapped back in (a request preempted by
-            swapping resumes where it stopped; 0 otherwise).
-    """
-
-    request_id: str
-    arrival_time: float
-    num_prompt_tokens: int
-    num_queried_tokens: int
-    num_cached_tokens: int
-    resumed: bool = False
-    num_offloaded_tokens: int = 0
-    num_swapped_tokens: int = 0
 
 
 @attrs.frozen
@@ -222,46 +181,6 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.entries)
-
-
-class BlockTables:
-    """The block table of every row, kept by an executor and updated from each batch.
-
-    ``tables[row, :lengths[row]]`` is the row's table. :meth:`apply` writes each entry's
-    change (``blocks_from``, ``blocks``); nothing else is rebuilt per step, so a decode
-    step that adds no block moves no table data at all.
-
-    Args:
-        num_rows: rows the scheduler may hand out (``max_num_seqs``).
-        max_blocks: the longest table a row can have (``ceil(max_model_len / block_size)``).
-    """
-
-    def __init__(self, num_rows: int, max_blocks: int) -> None:
-        self.tables = np.zeros((num_rows, max(max_blocks, 1)), dtype=np.int64)
-        self.lengths = np.zeros(num_rows, dtype=np.int64)
-
-    def apply(self, entries: Sequence[ScheduledRequest]) -> None:
-        tables, lengths = self.tables, self.lengths
-        for e in entries:
-            blocks = e.blocks
-            if blocks or e.blocks_from != lengths[e.row]:
-                end = e.blocks_from + len(blocks)
-                if end > tables.shape[1]:
-                    raise ValueError(
-                        f"request {e.request_id!r} has {end} KV blocks, more than the "
-                        f"{tables.shape[1]} a row holds (max_model_len / block_size)"
-                    )
-                tables[e.row, e.blocks_from : end] = blocks
-                lengths[e.row] = end
-
-    def release(self, rows: Sequence[int]) -> None:
-        self.lengths[list(rows)] = 0
-
-    def reset(self) -> None:
-        self.lengths[:] = 0
-
-    def table(self, row: int) -> tuple[int, ...]:
-        return tuple(self.tables[row, : self.lengths[row]].tolist())
 
 
 @attrs.frozen

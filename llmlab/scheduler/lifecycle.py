@@ -3,9 +3,7 @@
 The half of :class:`~llmlab.scheduler.scheduler.Scheduler` that writes lifecycle state
 after a batch is built: appending an executor's tokens and deciding what stopped
 (``update``), starting parallel samples (``_fan_out``), a stop string found by output
-processing (``stop_string``), preemption, failure and abort. The scheduler is the only
-writer of a request's lifecycle; these are its methods (a mixin of ``Scheduler``, kept in
-its own file so each half reads on its own).
+processing (``stop_string``), preemption, failure and abort (a mixin of ``Scheduler``).
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class Lifecycle:
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
         failures = output.failed
         drafted = output.num_drafted
-        # Each plugin's data for this step (its side maps in and out); committers are the
-        # plugins that override commit.
+        # Each plugin's side maps in and out; committers: the plugins overriding commit.
         sides = [(p, batch.sides.get(p.name), output.sides.get(p.name)) for p in self.plugins]
         committers = [s for s in sides if type(s[0]).commit is not SchedulerPlugin.commit]
         running = RequestStatus.RUNNING

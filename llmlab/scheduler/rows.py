@@ -1,11 +1,7 @@
-"""Scheduler rows: the stable slot each admitted request holds in ``[0, max_num_seqs)``.
-
-Executors key per-row state on rows, so a row's life is explicit: taken at admission
-(lowest free first, so rows stay dense), released when the request finishes, is preempted
-or aborted, and reported in the next batch's ``freed_rows`` before anyone reuses it. Rows
-for a request's parallel samples are reserved at its admission and handed over when they
-fork; reserved rows that never forked go back unreported (no executor saw them).
-"""
+"""Scheduler rows: the stable slot each admitted request holds in ``[0, max_num_seqs)``,
+taken at admission (lowest free first), released when it finishes, is preempted or
+aborted, and reported in the next batch's ``freed_rows`` before reuse. Rows for parallel
+samples are reserved at admission; those never forked go back unreported."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Running requests: the order they get the step's budget, growing their KV, preemption,
-and lookahead.
-
-The half of :class:`~llmlab.scheduler.scheduler.Scheduler` that serves requests already
-running: the policy's ``running_order``; reserving KV for each one's next tokens, and when
-the pool is full, preempting the victim the policy picks (recompute or swap, by the
-engine's mode, the policy's ``preemption_mode`` and what plugins require); and each running
-decode's lookahead (speculative drafts), asked of the plugins. A mixin of ``Scheduler``.
-"""
+"""Running requests (a mixin of :class:`~llmlab.scheduler.scheduler.Scheduler`): the order
+they get the step's budget (the policy's ``running_order``), KV for their next tokens,
+preemption of the policy's victim when the pool is full (recompute or swap: the engine's
+mode, the policy's ``preemption_mode``, what plugins require), and each decode's lookahead
+(speculative drafts) asked of the plugins."""
 
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
-"""The scheduler: continuous batching, chunked prefill, and preemption by recompute.
+"""The scheduler: continuous batching, chunked prefill, preemption; the only writer of a
+request's lifecycle.
 
 Each step spends a budget of ``max_num_batched_tokens`` new tokens across at most
-``max_num_seqs`` running requests. Running requests go first, in the policy's
-``running_order`` (admission order by default): a decode takes one token, an unfinished
-prefill takes as much of its prompt as the budget allows (chunked prefill, so long prompts
-share steps with decodes). Whatever budget is left admits waiting requests in the order the
-policy pops them, each starting after its longest cached prefix.
-
-When the KV cache cannot hold a running request's next tokens, the policy picks a victim
-among the running requests not yet scheduled this step; the victim's blocks are freed and
-it rejoins the waiting queue to be recomputed later (its generated tokens are kept). A
-policy with ``preempt_for`` may also preempt running requests to admit a waiting one.
-
-Lifecycles are explicit: admission assigns a request the lowest free *row* in
-``[0, max_num_seqs)``; finishing, preemption and abort release it, and the next batch lists
-the released rows, so executors and attention backends key per-request state on rows and
-are told when it dies. The policy is told too: ``push`` when a request starts waiting,
-``remove`` when one leaves for good, ``on_step`` with what each was served.
-
-User components may raise. A failing policy or eviction policy never leaves the queues or
-the KV pool inconsistent: the scheduler finishes what it was doing in a consistent state,
-records a :class:`~llmlab.errors.ComponentError`, and the engine raises it after the step.
+``max_num_seqs`` running requests: running ones first (:mod:`.running`: a decode takes one
+token, an unfinished prefill as much of its prompt as the budget allows; when KV blocks
+run out, the policy's victim is preempted), then waiting ones (:mod:`.admission`), each
+after its longest cached prefix. Admission assigns a request the lowest free *row*;
+finishing, preemption and abort release it, and the next batch lists released rows, so
+executors key per-request state on rows and are told when it dies. Outputs are committed
+by :mod:`.lifecycle`. A failing user component never leaves the queues or the KV pool
+inconsistent: it is recorded as a :class:`~llmlab.errors.ComponentError`, raised by the
+engine after the step.
 """
 
 from __future__ import annotations
@@ -33,23 +23,11 @@ from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError
 from llmlab.plugin import SchedulerPlugin, StepPlan
 from llmlab.request import Request, RequestStatus
-from llmlab.scheduler.batch import (
-    Admission,
-    Fork,
-    RowSetup,
-    ScheduledBatch,
-    ScheduledRequest,
-)
 from llmlab.scheduler.admission import Admitting
+from llmlab.scheduler.batch import Admission, Fork, RowSetup, ScheduledBatch, ScheduledRequest
 from llmlab.scheduler.lifecycle import Lifecycle
 from llmlab.scheduler.policies import FCFS
-from llmlab.scheduler.policy import (
-    FAILED,
-    SchedulerView,
-    SchedulingPolicy,
-    as_policy,
-    views,
-)
+from llmlab.scheduler.policy import FAILED, SchedulerView, SchedulingPolicy, as_policy, views
 from llmlab.scheduler.rows import Rows
 from llmlab.scheduler.running import Running
 from llmlab.validation import FrozenDict

@@ -1,0 +1,90 @@
+"""A batch's model inputs, built on the host: the flat token ids, their positions, and the
+attention backend's description (query and sequence lengths, block tables, KV slots).
+
+Index arithmetic runs in numpy: a few small arrays per step, where each torch op would cost
+more in dispatch than in work; one pass over the entries. The block tables are the
+runner's persistent ones (:class:`~llmlab.runner.block_tables.BlockTables`), sliced by row.
+A row whose KV a feature rewrote (a KV press) caches fewer tokens than its positions
+count: its KV is written and read at ``position - dropped`` (the runner's plugins say so:
+``kv_offsets``), and layers that hold different counts read the paged cache directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmlab.attention.backend import AttentionInputs, token_slots
+from llmlab.scheduler.batch import ScheduledBatch
+
+
+def batch_inputs(
+    runner: Any,
+    batch: ScheduledBatch,
+    attention_state: Any = None,
+    block_tables: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+    """Flat ``input_ids``, ``positions`` and the :class:`AttentionInputs` of ``batch`` on
+    ``runner``'s device (see the module docstring)."""
+    entries = batch.entries
+    n = len(entries)
+    # Host-side index arithmetic in numpy: a few small arrays per step, where each
+    # torch op would cost more in dispatch than in work. One pass over the entries.
+    cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
+    lens, start = cols[:, 0], cols[:, 1]
+    # A row a feature compacted (a KV press) holds fewer tokens than its positions
+    # count: its KV is written and read at ``position - dropped``.
+    dropped, layer_shift = runner.kv_offsets(batch)
+    kv_start = start if dropped is None else start - dropped
+    seq_lens = kv_start + lens
+    bs = runner.block_size
+    if block_tables is None:
+        width = int(-(-seq_lens.max() // bs))
+        block_tables = runner.block_tables.tables[cols[:, 2], :width]
+    num_tokens = int(lens.sum())
+    if num_tokens == n:  # all decodes: one token at each start
+        seq_index = np.arange(n)
+        pos = start
+        input_ids = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
+    else:
+        seq_index = np.repeat(np.arange(n), lens)
+        # Position of each flat token: its sequence's start plus its offset in the span.
+        first = np.cumsum(lens) - lens
+        pos = np.arange(num_tokens) - first[seq_index] + start[seq_index]
+        input_ids = np.fromiter(
+            (t for e in entries for t in e.token_ids), np.int64, num_tokens
+        )
+    kv_pos = pos if dropped is None else pos - dropped[seq_index]
+    slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
+    dev = runner.device
+    inputs = AttentionInputs(
+        query_lens=lens.tolist(),
+        seq_lens=seq_lens.tolist(),
+        block_tables=torch.from_numpy(block_tables),
+        slot_mapping=slots.to(dev),
+        block_size=bs,
+        device=dev,
+        rows=tuple(e.row for e in entries),
+        # Layers holding different counts read the paged cache: no per-row copy.
+        state=attention_state if layer_shift is None else None,
+        layer_shift=layer_shift,
+    )
+    return (
+        torch.from_numpy(input_ids).to(dev),
+        torch.from_numpy(pos).to(dev),
+        inputs,
+    )
+
+
+def kv_offsets(plugins: Any, batch: ScheduledBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Per entry, positions its row no longer caches (a KV press compacted it: KV is
+    written and read at ``position - dropped``), and per layer and entry how many fewer
+    tokens that layer holds; None where no plugin says so."""
+    dropped = layer_shift = None
+    for plugin in plugins:
+        d, shift = plugin.kv_offsets(batch)
+        dropped = d if dropped is None else dropped
+        layer_shift = shift if layer_shift is None else layer_shift
+    return dropped, layer_shift
