@@ -37,6 +37,7 @@ from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.output_processor import OutputProcessor
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError, raise_first
+from llmlab.lora.store import AdapterStore
 from llmlab.pooling.task import PoolingSpec
 from llmlab.request import Request
 from llmlab.sampling.metadata import GrammarFactory
@@ -73,9 +74,8 @@ class Engine(Intake, Observable):
     grammars: GrammarFactory | None = None  # shared with the executor: one compile cache
     # A pooling engine's tasks and defaults (runner="pooling"), or None (it generates).
     pooling: PoolingSpec | None = None
-    # enable_lora: the LoRA adapters in host memory (llmlab.lora.store.AdapterStore),
-    # shared by input processing (which loads and checks them) and the model runner.
-    lora: Any = None
+    # enable_lora: the adapters in host memory, shared by input processing and the runner.
+    lora: AdapterStore | None = None
     inputs: InputProcessor = attrs.field(default=None)
     outputs: OutputProcessor = attrs.field(default=None)
     # Live requests by their own id (a parallel sample's id is ``f"{index}_{request_id}"``).
