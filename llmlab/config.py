@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any
 
 import attrs
 import torch
 
+from llmlab import registry
 from llmlab.dtypes import dtype_from_name
 from llmlab.pooling.pooler import PoolerConfig
 from llmlab.speculative.config import SpeculativeConfig
@@ -103,31 +103,40 @@ def _flag(field: str):
     return functools.partial(as_bool, field)
 
 
-def _kv_press(instance: Any, attribute: attrs.Attribute, value: object) -> None:
-    if value is None or isinstance(value, str):
-        return
-    if not callable(getattr(value, "score", None)):
-        raise ValueError(
-            f"kv_press must be a registered name, 'package.module:Class', or a press with a "
-            f"score(layer) method, got {value!r}"
-        )
+def _name(kind: str):
+    """A component field's converter: None, or a registered name or ``"module:Class"``."""
+    return functools.partial(registry.name_of, kind)
 
 
-def _kv_press_config(value: object) -> dict | None:
+def _settings(kind: str):
+    """A ``<kind>_config`` field's converter: None, or a dict of keyword arguments (a JSON
+    object's text on the command line)."""
+    return functools.partial(registry.config_dict, kind)
+
+
+def _plugins(value: object) -> tuple[str, ...]:
+    """Feature plugins by name: a list of names or ``"module:Class"`` paths (or one str,
+    comma-separated, as a command line gives it)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"plugins must be a list of plugin names, got {value!r}")
+    return tuple(registry.name_of("plugin", v) for v in value)
+
+
+def _plugin_config(value: object) -> dict[str, dict] | None:
+    """Per plugin (by the entry of ``plugins`` it configures), its keyword arguments."""
+    value = registry.config_dict("plugin", value)
     if value is None:
         return None
-    if isinstance(value, str):
-        import json
+    return {name: registry.config_dict("plugin", kwargs) or {} for name, kwargs in value.items()}
 
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"kv_press_config is not a JSON object: {err}") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ValueError(
-            f"kv_press_config must be a dict of the press's keyword arguments, got {value!r}"
-        )
-    return dict(value)
+
+# The component kinds an EngineConfig names (each with a ``<kind>_config``): the engine
+# builds them with llmlab.registry.build. Speculation's proposer is named in
+# speculative_config, the pooler in pooler_config, plugins in plugins / plugin_config.
+COMPONENT_FIELDS = ("scheduling_policy", "eviction_policy", "attention_backend", "sampler",
+                    "router", "kv_press")
 
 
 @attrs.frozen(kw_only=True)
@@ -189,9 +198,11 @@ class EngineConfig:
             cores this process may use (CPU affinity and cgroup quota; ``llmlab.threads``).
 
         speculative_config: speculative decoding (vLLM's ``speculative_config``): a dict
-            such as ``{"method": "ngram", "num_speculative_tokens": 4}``, its JSON, a
-            proposer instance, or a :class:`~llmlab.speculative.config.SpeculativeConfig`;
-            None (default) is off. See ``docs/speculative.md``.
+            such as ``{"method": "ngram", "num_speculative_tokens": 4}``, its JSON, or a
+            :class:`~llmlab.speculative.config.SpeculativeConfig`; None (default) is off.
+            The proposer is named by its ``method`` (``LLM(proposer=...)`` is the same
+            setting; a proposer instance goes to the engine builder). See
+            ``docs/speculative.md``.
         disable_log_stats: as in vLLM, ``LLM.get_metrics()`` needs ``False`` (then ``LLM``
             keeps counters from the step events); llmlab logs no periodic stats either way
             (per-step numbers are in the engine's ``StepEvent``s).
@@ -261,13 +272,28 @@ class EngineConfig:
         kv_offloading_eviction_policy: the second tier's eviction policy, by registered
             name (``"lru"``, ``"arc"``, ``"s3fifo"``, ...); the engine builder also takes
             an instance.
-        kv_press: a KV press (:mod:`llmlab.kvpress`): a registered name (``"snapkv"``,
-            ``"streaming_llm"``, ``"knorm"``, ...), ``"package.module:Class"``, or an
-            instance. Each request's KV is compacted after its prompt (and every
+
+        Components, by name (docs/components.md): each field holds a registered name or
+        ``"package.module:Class"`` (None: the built-in default), and its ``<kind>_config``
+        the keyword arguments its constructor gets (a JSON object on the command line;
+        set only with a name). An instance is not a setting: ``LLM(<kind>=instance)``
+        hands it to the engine builder, and the config keeps None.
+
+        scheduling_policy: which waiting request runs next, who is preempted (``"fcfs"``
+            when None; ``"priority"``, ``"fair"``, ...).
+        eviction_policy: which cached KV block is evicted (``"lru"`` when None).
+        attention_backend: ``"torch"``, ``"cpu"``, ``"triton"``, ...; None or ``"auto"``:
+            Triton kernels on CUDA, llmlab's C++ kernels on CPU, else torch.
+        sampler: the sampler (the built-in ``"default"`` when None).
+        router: with ``data_parallel_size > 1``, which replica gets each request
+            (``"round_robin"`` when None); checked, unused, with one replica.
+        plugins: feature plugins (:mod:`llmlab.plugin`) by name; ``plugin_config`` maps an
+            entry of ``plugins`` to its keyword arguments.
+        kv_press: a KV press (:mod:`llmlab.kvpress`): ``"snapkv"``, ``"streaming_llm"``,
+            ``"knorm"``, ... Each request's KV is compacted after its prompt (and every
             ``compress_every`` decode steps) to the tokens the press keeps. None: off.
         kv_press_config: keyword arguments for the press (``compression_ratio``,
-            ``compress_every`` and its own fields, e.g. ``{"window": 64}``); a JSON
-            object on the command line.
+            ``compress_every`` and its own fields, e.g. ``{"window": 64}``).
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -393,8 +419,25 @@ class EngineConfig:
             as_str, "kv_offloading_eviction_policy", allow_empty=False
         ),
     )
-    kv_press: Any = attrs.field(default=None, validator=_kv_press)
-    kv_press_config: dict | None = attrs.field(default=None, converter=_kv_press_config)
+    scheduling_policy: str | None = attrs.field(default=None,
+                                                converter=_name("scheduling_policy"))
+    scheduling_policy_config: dict | None = attrs.field(
+        default=None, converter=_settings("scheduling_policy"))
+    eviction_policy: str | None = attrs.field(default=None, converter=_name("eviction_policy"))
+    eviction_policy_config: dict | None = attrs.field(
+        default=None, converter=_settings("eviction_policy"))
+    attention_backend: str | None = attrs.field(default=None,
+                                                converter=_name("attention_backend"))
+    attention_backend_config: dict | None = attrs.field(
+        default=None, converter=_settings("attention_backend"))
+    sampler: str | None = attrs.field(default=None, converter=_name("sampler"))
+    sampler_config: dict | None = attrs.field(default=None, converter=_settings("sampler"))
+    router: str | None = attrs.field(default=None, converter=_name("router"))
+    router_config: dict | None = attrs.field(default=None, converter=_settings("router"))
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=_plugins)
+    plugin_config: dict | None = attrs.field(default=None, converter=_plugin_config)
+    kv_press: str | None = attrs.field(default=None, converter=_name("kv_press"))
+    kv_press_config: dict | None = attrs.field(default=None, converter=_settings("kv_press"))
     tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
     data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
     distributed_executor_backend: str | None = attrs.field(
@@ -453,6 +496,18 @@ class EngineConfig:
         return self.runner
 
     def __attrs_post_init__(self) -> None:
+        for kind in COMPONENT_FIELDS:
+            if getattr(self, f"{kind}_config") and getattr(self, kind) is None:
+                raise ValueError(
+                    f"{kind}_config is set but {kind} is None: name the {kind} it configures "
+                    "(a registered name or 'package.module:Class')"
+                )
+        unplugged = sorted(set(self.plugin_config or ()) - set(self.plugins))
+        if unplugged:
+            raise ValueError(
+                f"plugin_config names {unplugged}, which plugins {list(self.plugins)} does not "
+                "list: plugin_config is keyed by the entries of plugins"
+            )
         if self.task == "generate" and self.runner == "pooling":
             raise ValueError(
                 "task='generate' and runner='pooling' contradict each other; set one"

@@ -13,29 +13,34 @@
     # llmlab generate "Hi" --scheduling-policy longest_first   (once the module is imported)
 
 A name may also be an import path, ``"package.module:Class"``: the command line imports the
-module (which may register more names) and instantiates the class with no arguments.
-``llmlab components`` lists every registered name with the first line of its docstring.
+module (which may register more names). ``llmlab components`` lists every registered name
+with the first line of its docstring.
 
 Kinds: ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler``,
 ``proposer``, ``router`` (which replica gets a request: :mod:`llmlab.routing`),
 ``pooler`` (one request's hidden states -> one vector: :mod:`llmlab.pooling`),
 ``tool_parser`` (tool calls in a model's text, for the server's ``tool_choice="auto"``:
 :mod:`llmlab.entrypoints.server.tool_parsers`), ``kv_press`` (which cached tokens a request keeps:
-:mod:`llmlab.kvpress`) and ``model``. The registry maps names to *factories*
-(usually classes) called with no arguments; each engine gets fresh instances, so no state
-is shared between engines. Models
+:mod:`llmlab.kvpress`), ``plugin`` (a feature's scheduler and runner sides:
+:mod:`llmlab.plugin`) and ``model``. The registry maps names to *factories* (usually
+classes); :func:`build` makes an instance from a name, an import path or a class, with a
+``<kind>_config`` dict as the constructor's keyword arguments (or takes an instance as it
+is), so each engine gets fresh instances and no state is shared between engines. Models
 are the exception: a ``model`` name is a Hugging Face architecture (``config.json``'s
 ``architectures``) and its class is built by the loader from that config
-(:func:`llmlab.models.register_model` adds one).
+(:func:`llmlab.models.register_model` adds one). docs/components.md is the guide.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import json
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 KINDS: dict[str, str] = {
@@ -250,6 +255,165 @@ def _import_from_here(module_name: str):
 def create(kind: str, name: str) -> Any:
     """A fresh instance of the component named ``name`` (see :func:`resolve`)."""
     return resolve(kind, name)()
+
+
+# Kinds whose contract their owner checks: a scheduling policy has two forms
+# (llmlab.scheduler.policy.as_policy), a plugin a base class (llmlab.plugin), a model is a
+# class built by the loader.
+_OWN_CHECKS = ("scheduling_policy", "plugin", "model")
+
+
+def build(kind: str, value: Any, config: Mapping[str, Any] | str | None = None) -> Any:
+    """The one way a component is made, for every kind: an instance from ``value``, a
+    registered name or ``"package.module:Class"`` (resolved) or a class, called with
+    ``config`` (``<kind>_config``: a dict, or a JSON object's text) as its keyword
+    arguments; or an instance, returned as it is. None (with no config) is None.
+
+    Raises, naming the kind and the value: ``ValueError`` for an unknown name (listing the
+    available ones), a config given with an instance (build it with its settings instead)
+    or without a ``value``; ``TypeError`` for a config key the constructor does not take
+    (naming it and those it takes) and for an instance that breaks the kind's contract
+    (naming the method: :func:`check`; scheduling policies and plugins are checked by their
+    owners). A constructor's own ``TypeError`` / ``ValueError`` (a validator naming its
+    field) comes with the kind and the value in front.
+    """
+    config = config_dict(kind, config)
+    if value is None:
+        if config:
+            raise ValueError(
+                f"{kind}_config {config!r} is set but {kind} is None: name the {kind} it "
+                "configures (a registered name or 'package.module:Class')"
+            )
+        return None
+    if isinstance(value, (str, type)):
+        make = factory(kind, value, config)
+        try:
+            instance = make()
+        except (TypeError, ValueError) as err:
+            error = TypeError if isinstance(err, TypeError) else ValueError
+            raise error(f"{_label(kind, value)}: {err}") from err
+    else:
+        if config:
+            raise ValueError(
+                f"{kind}_config {config!r} was given with the {kind} instance {value!r}: a "
+                f"config is for a {kind} given by name or class; build the instance with "
+                "those settings instead"
+            )
+        instance = value
+    if kind not in _OWN_CHECKS:
+        check(kind, instance)
+    return instance
+
+
+def factory(kind: str, value: Any, config: Mapping[str, Any] | str | None = None
+            ) -> Callable[[], Any]:
+    """What makes fresh instances of ``kind`` (each call, one): the factory of a registered
+    name, an import path or a class, with ``config`` bound as its keyword arguments. The
+    keywords are checked against the constructor's signature here (``TypeError`` naming a
+    key it does not take, or a required one missing), before anything is built. For kinds
+    that need an instance per use (the server's tool parsers: one per stream)."""
+    config = config_dict(kind, config) or {}
+    if value is None:
+        raise ValueError(
+            f"{kind} is None{f' but {kind}_config {config!r} is set' if config else ''}: "
+            f"name the {kind} (a registered name or 'package.module:Class')"
+        )
+    if isinstance(value, str):
+        made = resolve(kind, value)
+    elif isinstance(value, type):
+        made = value
+    else:
+        raise TypeError(
+            f"{kind} must be a registered name, 'package.module:Class' or a class here, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    _check_keywords(kind, value, made, config)
+    return functools.partial(made, **config) if config else made
+
+
+def _check_keywords(kind: str, value: Any, made: Callable[..., Any], config: dict) -> None:
+    try:
+        signature = inspect.signature(made)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return
+    try:
+        signature.bind(**config)
+        return
+    except TypeError:
+        pass
+    params = list(signature.parameters.values())
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes = [p.name for p in params if p.kind in named]
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = [key for key in config if key not in takes]
+        if unknown:
+            raise TypeError(
+                f"{kind}_config key {unknown[0]!r} is not a keyword argument of "
+                f"{_label(kind, value)}; it takes: {', '.join(takes) or 'none'}"
+            )
+    missing = [p.name for p in params
+               if p.default is p.empty and p.kind in named and p.name not in config]
+    raise TypeError(
+        f"{_label(kind, value)} needs {kind}_config key(s) {missing} (its constructor has no "
+        "default for them)"
+    )
+
+
+def _label(kind: str, value: Any) -> str:
+    shown = value.__name__ if isinstance(value, type) else repr(value)
+    return f"{kind} {shown}"
+
+
+def config_dict(kind: str, value: object) -> dict[str, Any] | None:
+    """``<kind>_config`` as plain data: None, or a dict keyed by keyword names (a JSON
+    object's text, as a command line gives it, is parsed); ``ValueError`` naming the
+    setting for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{kind}_config is not a JSON object: {err}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(
+            f"{kind}_config must be a dict of the {kind}'s keyword arguments, got {value!r}"
+        )
+    return dict(value)
+
+
+def name_of(kind: str, value: object) -> str | None:
+    """A component as a config holds it: None, or a registered name or
+    ``"package.module:Class"`` (a non-empty str). Anything else is a ``ValueError`` saying
+    where an instance goes instead: configs hold names and plain settings only (picklable,
+    printable, savable as YAML)."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ValueError(
+        f"{kind} in EngineConfig must be a registered name or 'package.module:Class', got "
+        f"{type(value).__name__} {value!r}: a config holds names only; give an instance to "
+        f"LLM({kind}=...) or EngineBuilder(..., {kind}=...)"
+    )
+
+
+def bind_hook(*components: Any) -> Callable[..., Any] | None:
+    """The ``bind`` method of the first of ``components`` that has one: the one hook name
+    through which every kind binds to its engine, once, when the engine is built. A
+    component with only the older ``attach`` (scheduling policies' name for it before v4)
+    still binds through it, with a ``DeprecationWarning`` naming it; None when none has
+    either."""
+    for name in ("bind", "attach"):
+        for component in components:
+            hook = getattr(component, name, None)
+            if callable(hook):
+                if name == "attach":
+                    warnings.warn(
+                        f"{type(component).__name__}.attach(view) is deprecated: name it "
+                        "bind(view), the one hook every component binds to its engine with",
+                        DeprecationWarning, stacklevel=3,
+                    )
+                return hook
+    return None
 
 
 def describe(kind: str | None = None) -> list[tuple[str, str, str]]:

@@ -214,29 +214,26 @@ class _InFlight:
     started: bool = False  # an output of it has come back (it can no longer move)
 
 
-def resolve_router(router: Any) -> Any:
-    """A router instance from ``router``: None (``"round_robin"``), a registered name or
-    ``"module:Class"`` (``ValueError`` listing the names), or an instance (checked against
-    the ``router`` contract: ``TypeError`` naming a missing method)."""
-    if router is None:
+def resolve_router(router: Any, config: Any = None) -> Any:
+    """A router instance from ``router``: None (``"round_robin"``), a registered name,
+    ``"module:Class"`` or a class, with ``config`` (``router_config``) as its keyword
+    arguments, or an instance: :func:`llmlab.registry.build` (``ValueError`` listing the
+    names; ``TypeError`` naming a keyword it does not take, or a missing method)."""
+    if router is None and not config:
         router = DEFAULT_ROUTER
-    if isinstance(router, str):
-        router = registry.create("router", router)
-    elif isinstance(router, type):
-        raise TypeError(f"router must be an instance or a name, got the class {router.__name__}")
-    registry.check("router", router)
-    return router
+    return registry.build("router", router, config)
 
 
 def check_data_parallel_settings(router: Any = None,
                                  replica_heartbeat_timeout_s: float | None = None,
-                                 replica_wedged_after_s: float | None = None) -> None:
+                                 replica_wedged_after_s: float | None = None,
+                                 router_config: Any = None) -> None:
     """Check the data-parallel settings of an engine that has one replica, where they are
-    unused: a typo in a router's name, or a bad deadline, still fails (``ValueError`` /
-    ``TypeError`` naming it), as it would with ``data_parallel_size > 1``."""
+    unused: a typo in a router's name or config, or a bad deadline, still fails
+    (``ValueError`` / ``TypeError`` naming it), as it would with ``data_parallel_size > 1``."""
     _deadlines(replica_heartbeat_timeout_s, replica_wedged_after_s)
-    if router is not None:
-        resolve_router(router)
+    if router is not None or router_config:
+        resolve_router(router, router_config)
 
 
 def _deadlines(heartbeat_timeout_s: float | None, wedged_after_s: float | None) -> dict:
@@ -391,6 +388,7 @@ class DataParallelEngine:
         tokenizer: str | None = None,
         *,
         router: Any = None,
+        router_config: Any = None,
         step_timeout_s: float = 0.05,
         replica_heartbeat_timeout_s: float | None = None,
         replica_wedged_after_s: float | None = None,
@@ -398,7 +396,8 @@ class DataParallelEngine:
     ) -> DataParallelEngine:
         """Start ``data_parallel_size`` replicas, each built as ``LLM(model, tokenizer,
         **settings)`` would build one engine, and return their front end once all are
-        ready (within ``distributed_timeout_s``).
+        ready (within ``distributed_timeout_s``). ``router`` / ``router_config``: the
+        router (:func:`resolve_router`), which the front end keeps (replicas never route).
 
         ``replica_heartbeat_timeout_s`` (default 10): a replica that sends no heartbeat
         for this long is unresponsive (it beats every quarter of it, at most once a
@@ -424,7 +423,10 @@ class DataParallelEngine:
 
             check_lora_settings(cfg, pooling=False, model_class=None)  # refuses DP
         n = cfg.data_parallel_size
-        router = resolve_router(router)
+        # The name and config the front end's config keeps (replicas never route).
+        named = (router if isinstance(router, str) else None,
+                 registry.config_dict("router", router_config))
+        router = resolve_router(router, router_config)
         resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process
         _check_picklable(settings, n)
         from llmlab.models.loader import resolve_model_path
@@ -478,8 +480,13 @@ class DataParallelEngine:
                      wedged_after_s=deadlines["replica_wedged_after_s"])
         engine.config = attrs.evolve(
             engine.config, device=cfg.device, cpu_threads=cfg.cpu_threads,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, router=named[0],
+            router_config=named[1],
         )
+        if cfg.kv_press is None and settings.get("kv_press") is not None:
+            # A press instance: the replicas' configs hold names only, so say it here (a
+            # request's kv_budget needs a press).
+            engine.inputs = attrs.evolve(engine.inputs, kv_press=True)
         logger.info("data parallelism: %d replicas ready (pids %s), router %s", n,
                     [i.pid for i in infos], component_name(router))
         return engine

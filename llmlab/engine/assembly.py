@@ -47,6 +47,7 @@ from llmlab.sampling.sampler import Sampler
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import SchedulingPolicy, as_policy
 from llmlab.scheduler.scheduler import Scheduler
+from llmlab.speculative.config import SpeculativeConfig
 from llmlab.speculative.schedule import SpeculationSchedule
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,20 @@ def assemble(
     attention_backend: Any = None,
     sampler: Any = None,
     offload_eviction_policy: Any = None,
+    kv_press: Any = None,
+    proposer: Any = None,
+    speculation_length: Any = None,
     plugins: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """The keyword arguments of the ``Engine`` that ``config`` and the components describe
-    (each an instance, a registered name or ``"module:Class"``; None: the default).
-    ``plugins``: feature plugins (:mod:`llmlab.plugin`; instances, registered names or
-    ``"module:Class"``): their scheduler sides join the scheduler's, their runner sides
-    every rank's runner.
+    """The keyword arguments of the ``Engine`` that ``config`` and the components describe.
+
+    Each component is the one given here (an instance, a registered name or
+    ``"module:Class"``), else the one ``config`` names, built with the config's
+    ``<kind>_config`` (:func:`llmlab.registry.build`); None in both: the default.
+    ``proposer`` / ``speculation_length``: instances for ``config.speculative_config``
+    (which then names them by class: ``method="custom"``). ``plugins``: feature plugins
+    (:mod:`llmlab.plugin`) besides the config's ``plugins``: their scheduler sides join the
+    scheduler's, their runner sides every rank's runner.
 
     Loads the model and allocates the KV cache (starting tensor-parallel workers where the
     config asks for them); raises ``ValueError`` / ``TypeError`` for a bad setting or
@@ -82,27 +90,30 @@ def assemble(
             "engine; use LLM(..., data_parallel_size=N) or llmlab serve "
             "--data-parallel-size N, which start N replicas behind a router"
         )
-    policy = component("scheduling_policy", scheduling_policy)
-    eviction = component("eviction_policy", eviction_policy)
+    policy = configured(cfg, "scheduling_policy", scheduling_policy)
+    eviction = configured(cfg, "eviction_policy", eviction_policy)
     # The second tier's own policy instance (never the device pool's).
     offload_eviction = component("eviction_policy", (
         cfg.kv_offloading_eviction_policy
         if offload_eviction_policy is None else offload_eviction_policy
     ))
     as_policy(policy or FCFS())  # rejects a policy missing a method, before loading
-    extra = [plugin_of(p) for p in plugins]
-    plan = plan_engine(cfg, attention_backend, sampler)
+    named = cfg.plugin_config or {}
+    extra = [plugin_of(p, named.get(p) if isinstance(p, str) else None)
+             for p in (*cfg.plugins, *plugins)]
+    plan = plan_engine(cfg, attention_backend, sampler, kv_press, proposer, speculation_length)
     plan = attrs.evolve(plan, plugins=tuple(p for p in extra if isinstance(p, RunnerPlugin)))
+    rank_plan = _bind_speculation(plan, proposer, speculation_length)
     workers = None
     tp = None
     if plan.config.tensor_parallel_size > 1:
         from llmlab.distributed.tp_executor import start_workers
 
         # Raises (starting nothing) on a model the size does not divide.
-        check_tensor_parallel(plan)
-        tp, workers = start_workers(plan)
+        check_tensor_parallel(rank_plan)
+        tp, workers = start_workers(rank_plan)
     try:
-        rank = build_rank(plan, tp)
+        rank = build_rank(rank_plan, tp)
     except BaseException:
         if workers is not None:
             workers.shutdown()
@@ -137,10 +148,22 @@ def assemble(
     )
 
 
-def plugin_of(value: Any) -> SchedulerPlugin | RunnerPlugin:
-    """A feature plugin from an instance, a registered name or ``"module:Class"``;
-    ``TypeError`` for anything that is neither side of a plugin."""
-    plugin = registry.create("plugin", value) if isinstance(value, str) else value
+def _bind_speculation(plan: BuildPlan, proposer: Any, length: Any) -> BuildPlan:
+    """The plan the ranks build from: the builder's proposer and speculation-length
+    instances bound into the speculative config they read (the engine's own config keeps
+    names only)."""
+    spec = plan.config.speculative_config
+    if spec is None or (proposer is None and length is None):
+        return plan
+    bound = attrs.evolve(plan.config, speculative_config=spec.bound(proposer, length))
+    return attrs.evolve(plan, config=bound)
+
+
+def plugin_of(value: Any, config: Any = None) -> SchedulerPlugin | RunnerPlugin:
+    """A feature plugin from an instance, a registered name, ``"module:Class"`` or a class
+    (``config``: its keyword arguments); ``TypeError`` for anything that is neither side of
+    a plugin."""
+    plugin = registry.build("plugin", value, config)
     if not isinstance(plugin, (SchedulerPlugin, RunnerPlugin)):
         raise TypeError(
             f"plugin {value!r} must be a llmlab.plugin.SchedulerPlugin or RunnerPlugin "
@@ -162,16 +185,25 @@ def engine_fields(cfg: EngineConfig, scheduler: Scheduler, executor: Any, length
                 max_logprobs=cfg.max_logprobs, observers=observers, **fields)
 
 
-def plan_engine(cfg: EngineConfig, attention_backend: Any = None, sampler: Any = None
+def plan_engine(cfg: EngineConfig, attention_backend: Any = None, sampler: Any = None,
+                kv_press: Any = None, proposer: Any = None, speculation_length: Any = None
                 ) -> BuildPlan:
     """Everything decided before any weights load: the resolved config, the model
-    directory and config, the dtype, the components. Raises ``ValueError`` /
-    ``TypeError`` for a bad setting or component; starts nothing."""
+    directory and config, the dtype, the components (given here, else named by ``cfg``).
+    Raises ``ValueError`` / ``TypeError`` for a bad setting or component; starts
+    nothing."""
+    attention_backend = cfg.attention_backend if attention_backend is None else attention_backend
     auto_attention = attention_backend in (None, "auto")
     attention = None
     if not auto_attention:
-        attention = component("attention_backend", attention_backend)
-    sampler = component("sampler", sampler) or Sampler()
+        attention = configured(cfg, "attention_backend", attention_backend)
+    elif cfg.attention_backend_config:
+        raise ValueError(
+            f"attention_backend_config {cfg.attention_backend_config!r} needs a named "
+            "attention_backend ('torch', 'cpu', 'triton', ...), not 'auto'"
+        )
+    sampler = configured(cfg, "sampler", sampler) or Sampler()
+    cfg = check_speculation(cfg, proposer, speculation_length)
     check_host_kv_settings(cfg)
     device = resolve_device(cfg.device)
     check = getattr(attention, "check_device", None)
@@ -200,7 +232,7 @@ def plan_engine(cfg: EngineConfig, attention_backend: Any = None, sampler: Any =
     check = getattr(attention, "check_dtype", None)
     if check is not None:  # e.g. the CPU kernels asked for float16: fail before loading
         check(dtype)
-    press = check_press_settings(cfg, attention, pooling is not None)
+    press = check_press_settings(cfg, attention, pooling is not None, kv_press)
 
     prepack = False
     if device.type == "cpu" and cfg.cpu_linear != "plain":
@@ -220,17 +252,37 @@ def plan_engine(cfg: EngineConfig, attention_backend: Any = None, sampler: Any =
     )
 
 
-def check_press_settings(cfg: EngineConfig, attention: Any, pooling: bool) -> Any:
-    """The engine's KV press (resolved from ``kv_press`` / ``kv_press_config``), or None;
-    ``ValueError`` naming a setting it cannot run with, before any weights load."""
-    if cfg.kv_press is None:
-        if cfg.kv_press_config:
-            raise ValueError("kv_press_config is set but kv_press is None: name a press")
-        return None
-    from llmlab.kvpress import resolve_press
+def check_speculation(cfg: EngineConfig, proposer: Any = None, length: Any = None
+                      ) -> EngineConfig:
+    """``cfg`` with a speculative config for a proposer instance given without one; checks
+    that a config naming an instance (``method="custom"``) has it, and that a named
+    proposer resolves and takes its keyword arguments (building nothing)."""
+    spec = cfg.speculative_config
+    if spec is None and proposer is not None:
+        spec = SpeculativeConfig.split(None, proposer)[0]
+        cfg = attrs.evolve(cfg, speculative_config=spec)
+    if spec is None:
+        if length is not None:
+            raise ValueError("a speculation_length instance needs speculative decoding on: "
+                             "give speculative_config or proposer")
+        return cfg
+    if spec.proposer is not None and proposer is None:
+        raise ValueError(
+            f"speculative_config names a {spec.proposer} proposer instance, which the "
+            "engine builder must hold: pass it as EngineBuilder(..., proposer=...)"
+        )
+    spec.bound(proposer, length)  # refuses two drafters
+    spec.check_proposer()
+    return cfg
 
-    press = resolve_press(cfg.kv_press, cfg.kv_press_config)
-    registry.check("kv_press", press)
+
+def check_press_settings(cfg: EngineConfig, attention: Any, pooling: bool,
+                         given: Any = None) -> Any:
+    """The engine's KV press (``given``, else ``kv_press``, with ``kv_press_config``), or
+    None; ``ValueError`` naming a setting it cannot run with, before any weights load."""
+    press = configured(cfg, "kv_press", given)
+    if press is None:
+        return None
     unsupported = {
         "speculative_config": cfg.speculative_config is not None,
         "runner='pooling'": pooling,
@@ -239,9 +291,9 @@ def check_press_settings(cfg: EngineConfig, attention: Any, pooling: bool) -> An
     named = [name for name, on in unsupported.items() if on]
     if named:
         raise ValueError(
-            f"kv_press={cfg.kv_press!r} cannot run with {', '.join(named)}: compacting a "
-            "request's KV is not combined with speculative decoding, pooling or "
-            "tensor-parallel ranks yet"
+            f"kv_press={cfg.kv_press or type(press).__name__!r} cannot run with "
+            f"{', '.join(named)}: compacting a request's KV is not combined with "
+            "speculative decoding, pooling or tensor-parallel ranks yet"
         )
     missing = [m for m in ("gather_slots", "scatter_slots") if not hasattr(attention, m)]
     if missing:
@@ -290,6 +342,10 @@ def scheduler_for(
     ``swap`` / ``tier``: its host pools' bookkeeping (``llmlab.cache.host_pools``);
     ``plugins``: features' scheduler sides (LoRA's, from the config, and speculation's,
     from the length policy ``speculation``, are added here)."""
+    if policy is None:  # the config's (the simulator passes only what it was given)
+        policy = configured(cfg, "scheduling_policy")
+    if eviction is None:
+        eviction = configured(cfg, "eviction_policy")
     if cfg.enable_lora:
         plugins = (LoRASchedule(cfg.max_loras), *plugins)
     if speculation is not None:
@@ -314,22 +370,22 @@ def scheduler_for(
     )
 
 
-def component(kind: str, value):
-    """An instance as given, or a fresh instance of the component registered as ``value``.
-
-    Raises ``ValueError`` for an unknown name (listing the available ones) and
-    ``TypeError`` for an object missing a required method or whose method cannot take the
-    engine's call (naming it and the expected signature: ``registry.CONTRACTS``).
+def component(kind: str, value: Any, config: Any = None) -> Any:
+    """An instance as given, or a fresh instance of the component ``value`` names (a
+    registered name, ``"module:Class"`` or a class, with ``config`` as its keyword
+    arguments): :func:`llmlab.registry.build`, whose errors name the kind and the value
+    (an unknown name lists the available ones; a method that cannot take the engine's
+    call names the signature expected: ``registry.CONTRACTS``).
     """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = registry.create(kind, value)
-    elif isinstance(value, type):
-        raise TypeError(f"{kind} must be an instance, got the class {value.__name__}")
-    if kind != "scheduling_policy":  # as_policy checks its two forms
-        registry.check(kind, value)
-    return value
+    return registry.build(kind, value, config)
+
+
+def configured(cfg: EngineConfig, kind: str, given: Any = None) -> Any:
+    """The ``kind`` component an engine of ``cfg`` runs: ``given`` (the builder's instance
+    or name) in place of the name ``cfg`` holds, built with ``cfg``'s ``<kind>_config``;
+    None when neither names one (the caller's default)."""
+    value = getattr(cfg, kind) if given is None else given
+    return component(kind, value, getattr(cfg, f"{kind}_config"))
 
 
 def _max_model_len(cfg: EngineConfig, hf_config) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from llmlab.config import EngineConfig
+from llmlab.config import COMPONENT_FIELDS, EngineConfig
 
 # Short aliases vLLM's command line has.
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)}
@@ -72,8 +72,13 @@ class _EngineArgsMethods:
     """What EngineArgs adds to the generated fields."""
 
     def config_kwargs(self) -> dict[str, Any]:
-        """The ``EngineConfig`` keywords these arguments hold."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(EngineConfig)}
+        """The ``EngineConfig`` keywords these arguments hold. A component left unset (None,
+        or no plugins) is left out, so that one given alongside as an instance
+        (``AsyncEngine.from_engine_args(args, scheduling_policy=MyPolicy())``) takes its
+        place instead of colliding with it."""
+        components = (*COMPONENT_FIELDS, "plugins")
+        return {f.name: getattr(self, f.name) for f in attrs.fields(EngineConfig)
+                if not (f.name in components and not getattr(self, f.name))}
 
     def create_engine_config(self) -> EngineConfig:
         """The checked :class:`EngineConfig` (raises ``ValueError`` naming a bad field)."""

@@ -37,14 +37,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="same as --no-enable-prefix-caching")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    names = "a registered name (see `llmlab components`) or package.module:Class"
-    parser.add_argument("--scheduling-policy", default="fcfs", help=f"{names}; default fcfs")
-    parser.add_argument("--eviction-policy", default="lru", help=f"{names}; default lru")
-    parser.add_argument(
-        "--attention-backend",
-        default="auto",
-        help=f"{names}; default auto (triton on CUDA, llmlab's C++ kernels on CPU, else torch)",
-    )
+    _add_component_args(parser)
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "plain"), default="auto",
                         help="on CPU: prepacked oneDNN linears or F.linear (default auto)")
     parser.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=True,
@@ -60,10 +53,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="run this many engine replicas, each in a process of its own, "
                         "behind a router (default 1; docs/distributed.md)")
-    parser.add_argument("--router", default=None,
-                        help=f"with --data-parallel-size > 1, which replica gets each request: "
-                        f"{names}; round_robin (default), least_loaded, prefix_aware, "
-                        "session_affinity")
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray", "uni"),
                         default=None, help="how tensor-parallel ranks are started (default: "
                         "uni at --tensor-parallel-size 1, else mp)")
@@ -84,6 +73,46 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     from llmlab.entrypoints.arg_utils import EngineArgs
 
     EngineArgs.add_cli_args(parser, skip=("model",))
+
+
+# Every component kind an engine takes, the one way (docs/components.md): --KIND NAME (a
+# registered name or package.module:Class) and --KIND-config JSON (its constructor's keyword
+# arguments). Defaults are the EngineConfig's (None: the built-in default).
+_COMPONENT_HELP = {
+    "scheduling_policy": "which waiting request runs next (default fcfs)",
+    "eviction_policy": "which cached KV block is evicted (default lru)",
+    "attention_backend": "default auto: triton on CUDA, llmlab's C++ kernels on CPU, else torch",
+    "sampler": "the sampler (default: the built-in one)",
+    "router": "with --data-parallel-size > 1, which replica gets each request: round_robin "
+              "(default), least_loaded, prefix_aware, session_affinity",
+    "kv_press": "a KV press compacting each request's cache (snapkv, streaming_llm, knorm, ...; "
+                "default off)",
+}
+# LLM keywords that fold into another setting (not EngineConfig fields).
+_FOLDED_FLAGS = ("proposer", "proposer_config", "pooler")
+
+
+def _add_component_args(parser: argparse.ArgumentParser) -> None:
+    names = "a registered name (see `llmlab components`) or package.module:Class"
+    for kind, what in _COMPONENT_HELP.items():
+        flag = "--" + kind.replace("_", "-")
+        parser.add_argument(flag, default=None, metavar="NAME", help=f"{names}: {what}")
+        parser.add_argument(f"{flag}-config", default=None, metavar="JSON",
+                            help=f"keyword arguments for the {kind}'s constructor, a JSON object")
+    parser.add_argument("--proposer", default=None, metavar="NAME",
+                        help=f"speculative decoding's drafter, {names} (the same setting as "
+                        "--speculative-config's method; num_speculative_tokens 4 unless it "
+                        "says otherwise)")
+    parser.add_argument("--proposer-config", default=None, metavar="JSON",
+                        help="keyword arguments for the proposer's constructor, a JSON object")
+    parser.add_argument("--pooler", default=None, metavar="NAME",
+                        help="a pooling engine's pooler (last, mean, cls, or package.module:"
+                        "Class): --pooler-config's pooling_type")
+    parser.add_argument("--plugins", nargs="+", default=(), metavar="NAME",
+                        help=f"feature plugins, each {names} (docs/components.md)")
+    parser.add_argument("--plugin-config", default=None, metavar="JSON",
+                        help="per plugin (keyed by its entry in --plugins), its keyword "
+                        "arguments: a JSON object of objects")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +194,6 @@ def _model_or_builtin(model: str | None) -> str:
     return path
 
 
-_COMPONENT_FLAGS = ("scheduling_policy", "eviction_policy", "attention_backend", "router")
 # Data-parallel settings that are build_engine keywords, not EngineConfig fields (None:
 # the default).
 _DATA_PARALLEL_FLAGS = ("replica_heartbeat_timeout_s", "replica_wedged_after_s")
@@ -173,15 +201,15 @@ _DATA_PARALLEL_FLAGS = ("replica_heartbeat_timeout_s", "replica_wedged_after_s")
 
 def _engine_settings(args: argparse.Namespace) -> dict:
     """``LLM(...)`` keyword arguments from the engine flags: every ``EngineConfig`` field
-    but ``model`` (each has a flag, see ``_add_engine_args``), and the components."""
+    but ``model`` (each has a flag, see ``_add_engine_args``; the components among them),
+    and the component flags that fold into another setting (``--proposer``, ``--pooler``)."""
     import attrs
 
     from llmlab.config import EngineConfig
 
     fields = [f.name for f in attrs.fields(EngineConfig) if f.name != "model"]
-    names = fields + list(_COMPONENT_FLAGS)
-    settings = {name: getattr(args, name) for name in names}
-    for name in _DATA_PARALLEL_FLAGS:
+    settings = {name: getattr(args, name) for name in fields}
+    for name in (*_FOLDED_FLAGS, *_DATA_PARALLEL_FLAGS):
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
     return settings
@@ -334,15 +362,20 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 def _tool_parser(args: argparse.Namespace):
-    """``--tool-call-parser``'s factory, checked before the model loads (None: none)."""
+    """``--tool-call-parser`` (``--tool-parser``) with ``--tool-parser-config``: the factory
+    of a fresh parser per stream, checked before the model loads (None: none)."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
                          "(`llmlab components tool_parser` lists them)")
+    from llmlab import registry
+
     if args.tool_call_parser is None:
+        registry.build("tool_parser", None, args.tool_parser_config)  # refuses a lone config
         return None
     from llmlab.entrypoints.server.tool_parsers import parser_factory
 
-    return parser_factory(args.tool_call_parser)
+    return parser_factory(
+        registry.factory("tool_parser", args.tool_call_parser, args.tool_parser_config))
 
 
 def _origins(values: list[str] | None) -> list[str]:
@@ -370,13 +403,14 @@ def _components(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
-    width = max(len(name) for _, name, _ in rows)
-    kind = None
-    for row_kind, name, doc in rows:
-        if row_kind != kind:
-            print(f"{'' if kind is None else chr(10)}{row_kind}:")
-            kind = row_kind
-        print(f"  {name:<{width}}  {doc}")
+    width = max((len(name) for _, name, _ in rows), default=0)
+    for i, kind in enumerate([args.kind] if args.kind is not None else list(registry.KINDS)):
+        print(f"{chr(10) if i else ''}{kind}:")
+        listed = [(name, doc) for row_kind, name, doc in rows if row_kind == kind]
+        for name, doc in listed:
+            print(f"  {name:<{width}}  {doc}")
+        if not listed:  # e.g. plugin: none built in; yours appear once imported
+            print("  (none registered)")
     return 0
 
 
@@ -468,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comps.add_argument(
         "kind", nargs="?", default=None,
-        help="scheduling_policy, eviction_policy or attention_backend (default: all)",
+        help="a component kind: scheduling_policy, eviction_policy, attention_backend, "
+             "sampler, proposer, router, pooler, tool_parser, kv_press, plugin, model "
+             "(default: all)",
     )
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server", allow_abbrev=False
@@ -538,9 +574,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): tool calls found in '
                             "the model's text by --tool-call-parser (vLLM's flag)")
-    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+    serve.add_argument("--tool-call-parser", "--tool-parser", dest="tool_call_parser",
+                       default=None, metavar="NAME",
                        help="a tool_parser component (built-in: hermes) or module:Class; "
-                            "`llmlab components tool_parser` lists them")
+                            "`llmlab components tool_parser` lists them (vLLM's flag; "
+                            "--tool-parser is llmlab's spelling of every --KIND)")
+    serve.add_argument("--tool-parser-config", default=None, metavar="JSON",
+                       help="keyword arguments for the tool parser's constructor, a JSON "
+                            "object")
     bench = commands.add_parser("bench", help="benchmarks", allow_abbrev=False)
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_commands.add_parser(

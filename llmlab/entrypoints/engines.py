@@ -18,19 +18,20 @@ from llmlab.engine.client import EngineClient
 __all__ = ["build_engine"]
 
 
-def build_engine(model: str, tokenizer: str | None = None, *, router: Any = None,
+def build_engine(model: str, tokenizer: str | None = None, *,
                  replica_heartbeat_timeout_s: float | None = None,
                  replica_wedged_after_s: float | None = None, **settings: Any) -> EngineClient:
     """The engine ``settings`` describe (``EngineConfig`` fields and components, as
     ``LLM`` takes them; ``ValueError``/``TypeError`` naming a bad one, before anything
-    loads). ``router`` and the ``replica_*`` deadlines
+    loads). ``router`` / ``router_config`` and the ``replica_*`` deadlines
     (:meth:`DataParallelEngine.from_settings`) are used with ``data_parallel_size > 1``,
     and checked (unused) with one replica, so a typo fails either way."""
     builder = EngineBuilder.from_settings(model, tokenizer, **settings)  # checks settings
     deadlines = {"replica_heartbeat_timeout_s": replica_heartbeat_timeout_s,
                  "replica_wedged_after_s": replica_wedged_after_s}
-    if builder.config.data_parallel_size > 1:
-        return DataParallelEngine.from_settings(model, tokenizer, router=router, **deadlines,
-                                                **settings)
-    check_data_parallel_settings(router, **deadlines)
+    config = builder.config
+    if config.data_parallel_size > 1:
+        return DataParallelEngine.from_settings(model, tokenizer, **deadlines, **settings)
+    router = builder.router if builder.router is not None else config.router
+    check_data_parallel_settings(router, **deadlines, router_config=config.router_config)
     return builder.build()

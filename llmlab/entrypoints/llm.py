@@ -47,8 +47,17 @@ class LLM:
     ``LLM(model, tokenizer=None, **settings)`` takes every :class:`EngineConfig` field as a
     keyword (``dtype``, ``seed``, ``max_model_len``, ``block_size``,
     ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``kv_cache_memory_bytes``, ...), plus component instances to swap in:
-    ``scheduling_policy``, ``eviction_policy``, ``attention_backend``, ``sampler``.
+    ``kv_cache_memory_bytes``, ...), and every component kind the one way
+    (docs/components.md): ``<kind>=`` a registered name, ``"package.module:Class"`` or an
+    instance, and ``<kind>_config=`` a dict of keyword arguments for the named class's
+    constructor (refused with an instance). The kinds: ``scheduling_policy``,
+    ``eviction_policy``, ``attention_backend``, ``sampler``, ``kv_press``, ``proposer``
+    (speculative decoding's drafter: the same setting as ``speculative_config``'s
+    ``method``), ``router`` (with ``data_parallel_size > 1``), ``pooler`` (the
+    ``pooler_config``'s ``pooling_type``; ``pooler_config`` keeps vLLM's meaning), and
+    ``plugins=[...]`` (feature plugins; ``plugin_config={entry: {...}}`` configures the
+    named ones). A tool parser is the server's (``llmlab serve --tool-call-parser``). Names
+    stay in ``llm_engine.config``; instances are held by the engine builder.
 
     With ``disable_log_stats=False`` (vLLM's switch; off by default, as in vLLM, so a
     plain ``LLM`` adds no step observer), ``spec_decode_stats`` (a
@@ -75,19 +84,23 @@ class LLM:
         eviction_policy: Any = None,
         attention_backend: Any = None,
         sampler: Any = None,
+        kv_press: Any = None,
+        proposer: Any = None,
         router: Any = None,
+        pooler: Any = None,
+        plugins: Any = (),
         **settings: Any,
     ) -> None:
-        self.llm_engine: EngineClient = build_engine(
-            model,
-            tokenizer,
-            scheduling_policy=scheduling_policy,
-            eviction_policy=eviction_policy,
-            attention_backend=attention_backend,
-            sampler=sampler,
-            router=router,
-            **settings,
+        components = dict(
+            scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
+            attention_backend=attention_backend, sampler=sampler, kv_press=kv_press,
+            proposer=proposer, router=router, pooler=pooler, plugins=plugins,
         )
+        # Only what was given: a keyword left out keeps the config's default.
+        given = {k: v for k, v in components.items() if v is not None}
+        if not plugins:
+            given.pop("plugins")
+        self.llm_engine: EngineClient = build_engine(model, tokenizer, **given, **settings)
         self._init_state()
 
     @classmethod

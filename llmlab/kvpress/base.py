@@ -16,6 +16,7 @@ method::
             return layer.values.float().norm(dim=-1)  # [kv_heads, tokens]
 
     LLM(model, kv_press="value_norm", kv_press_config={"compression_ratio": 0.5})
+    LLM(model, kv_press=ValueNorm(compression_ratio=0.5))      # or an instance
 
 What a press is given (:class:`PressInput`): the layer's cached keys and values, in cache
 order (the order the tokens came in; rotary embedding already applied to the keys), the
@@ -249,19 +250,11 @@ def register_press(name: str | None = None):
 
 
 def resolve_press(press: Any, config: dict | None = None) -> KVPress:
-    """A press instance from a registered name (with ``config`` as its keyword arguments),
-    a class, or an instance (``config`` then overrides fields with ``attrs.evolve``)."""
-    config = dict(config or {})
-    if isinstance(press, str):
-        factory = registry.resolve(KIND, press)
-        try:
-            return factory(**config)
-        except TypeError as err:
-            raise ValueError(f"kv_press_config {config!r} does not fit kv_press {press!r}: {err}") from None
-    if isinstance(press, type):
-        return press(**config)
-    if config:
-        if not attrs.has(type(press)):
-            raise ValueError("kv_press_config needs a press given by name, class or attrs instance")
-        return attrs.evolve(press, **config)
-    return press
+    """A press from a registered name, ``"package.module:Class"`` or a class (``config``:
+    its keyword arguments), or an instance as it is: :func:`llmlab.registry.build` (a
+    config with an instance is refused), with the older ``ValueError`` for a config the
+    press does not take (``registry.build`` raises ``TypeError``)."""
+    try:
+        return registry.build(KIND, press, config)
+    except TypeError as err:
+        raise ValueError(str(err)) from err

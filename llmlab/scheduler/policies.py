@@ -188,7 +188,7 @@ class VirtualTokenCounter(Policy):
     _last_left: float = attrs.field(default=0.0, repr=False)
     _cache: SchedulerView | None = attrs.field(default=None, repr=False)
 
-    def attach(self, view: SchedulerView) -> None:
+    def bind(self, view: SchedulerView) -> None:
         self._cache = view
 
     def push(self, request: RequestView, now: float) -> None:
@@ -306,7 +306,7 @@ class CacheAware(Policy):
     _ranked: list[RequestView] | None = attrs.field(default=None, repr=False)
     _ranked_at: float | None = attrs.field(default=None, repr=False)
 
-    def attach(self, view: SchedulerView) -> None:
+    def bind(self, view: SchedulerView) -> None:
         self._cache = view
 
     def push(self, request: RequestView, now: float) -> None:

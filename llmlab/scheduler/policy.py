@@ -20,8 +20,8 @@ policy makes four decisions and sees requests only through read-only
 ``preempt_for(request, running)``      optional: a running request to preempt so that ``request``
                                        (popped, but out of blocks or rows) can be admitted, or None
 ``on_step(served, now)``               optional: what each request was served this step
-``attach(view)``                       optional: called once with a :class:`SchedulerView`
-                                       (prefix-cache lookups, pool and queue sizes)
+``bind(view)``                         optional: called once with a :class:`SchedulerView`
+                                       (prefix lookups, pool and queue sizes; ``attach``: old name)
 ``preemption_mode(victim)``            optional: ``"swap"``, ``"recompute"`` or None (the
                                        engine's ``preemption_mode``) for a victim about to be
                                        preempted; swap falls back to recompute when the swap
@@ -143,7 +143,7 @@ class SchedulingPolicy(Protocol):
 
 @attrs.define(eq=False)
 class SchedulerView:
-    """Read-only facts a policy may consult (given once, through ``attach``)."""
+    """Read-only facts a policy may consult (given once, through ``bind``)."""
 
     _kv: KVCacheManager = attrs.field(repr=False)
     max_num_seqs: int

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from llmlab import registry
 from llmlab.cache.kv_cache_manager import KVCacheManager
 from llmlab.errors import ComponentError
 from llmlab.plugin import SchedulerPlugin, StepPlan
@@ -82,13 +83,12 @@ class Scheduler(Running, Admitting, Lifecycle):
     def __attrs_post_init__(self) -> None:
         self._rows = Rows(self.max_num_seqs)
         self._driver = as_policy(self.policy)
-        attach = self._optional("attach")
-        if attach is not None:
-            view = SchedulerView(
-                self.kv, self.max_num_seqs, self.max_num_batched_tokens,
-                lambda: len(self._waiting), lambda: views(self.running),
-            )
-            attach(view)  # at build time: a failure here is the builder's error
+        # One hook binds every component to its engine: bind(view); attach is its old name.
+        bind = registry.bind_hook(self._driver, self.policy)
+        if bind is not None:
+            view = SchedulerView(self.kv, self.max_num_seqs, self.max_num_batched_tokens,
+                                 lambda: len(self._waiting), lambda: views(self.running))
+            bind(view)  # at build time: a failure here is the builder's error
         names = [p.name for p in self.plugins]
         if len(set(names)) != len(names):
             raise ValueError(f"two plugins share a name: {names}")

@@ -92,6 +92,7 @@ def build_app(
     root_path: str | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser=None,
+    tool_parser_config=None,
     lora_modules: Sequence[Any] = (),
 ):
     """The FastAPI app serving ``engine``.
@@ -123,6 +124,8 @@ def build_app(
     (the default with tools), whose calls the parser finds in the model's text; the parser
     is a registered ``tool_parser`` name (``"hermes"``), a ``"module:Class"`` path or a
     class, checked here (:mod:`llmlab.entrypoints.server.tool_parsers`). Without them "auto" is a 400.
+    ``tool_parser_config``: keyword arguments for a named parser's constructor (each stream
+    gets a fresh parser built with them).
     ``lora_modules``: LoRA adapters to serve by name (``"name=path"``, vLLM's JSON form, or
     :class:`~llmlab.entrypoints.server.lora.LoRAModulePath`); they and ``/v1/load_lora_adapter`` need
     an engine with ``enable_lora`` (:mod:`llmlab.entrypoints.server.lora`).
@@ -133,9 +136,13 @@ def build_app(
     if not isinstance(response_role, str) or not response_role:
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     parser = None
-    if tool_call_parser is not None:
+    if tool_call_parser is not None or tool_parser_config:
+        from llmlab import registry
         from llmlab.entrypoints.server.tool_parsers import parser_factory
 
+        if tool_parser_config:  # a factory of configured parsers (refused without a name)
+            tool_call_parser = registry.factory("tool_parser", tool_call_parser,
+                                                tool_parser_config)
         parser = parser_factory(tool_call_parser)
     if enable_auto_tool_choice and parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser "
