@@ -14,9 +14,12 @@ its ``name``:
   resets the runner), work before and after the forward.
 
 Every hook has a do-nothing default; both sides bind through one hook, ``bind``. The core
-never names a feature. A hook that raises fails the step it ran in (state kept
-consistent, raised after the step: docs/components.md); trouble with one request should
-end that request instead (a stop reason from ``commit``, a failure from ``after_forward``).
+never names a feature. The failure rule (docs/components.md): a scheduler-side hook that
+raises is recorded and answers its neutral default (the step goes on, the engine raises a
+``ComponentError`` naming the plugin and hook after it: ``scheduler/guard.py``); a
+runner-side one fails the step like any executor error (rows reset, the step scheduled
+again). Trouble with one request should end that request instead (a stop reason from
+``commit``, a per-entry failure from ``after_forward``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmlab.errors import ComponentError, RequestFailedError
-from llmlab.plugin import SchedulerPlugin
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
 from llmlab.scheduler.policy import Served
@@ -50,7 +49,7 @@ class Lifecycle:
         drafted = output.num_drafted
         # Each plugin's side maps in and out; committers: the plugins overriding commit.
         sides = [(p, batch.sides.get(p.name), output.sides.get(p.name)) for p in self.plugins]
-        committers = [s for s in sides if type(s[0]).commit is not SchedulerPlugin.commit]
+        committers = [s for s in sides if s[0].overrides("commit")]
         running = RequestStatus.RUNNING
         for i, (entry, token_ids, logprobs) in enumerate(
             zip(batch.entries, output.token_ids, output.logprobs)

@@ -122,7 +122,7 @@ class OrderPolicy:
 
     ``order`` sees the waiting requests in arrival order (a list of views it may sort or
     return as is) and is called at most once per step; popping walks its answer. Its
-    optional ``admit``, ``running_order``, ``preempt_for``, ``on_step`` and ``attach`` are
+    optional ``admit``, ``running_order``, ``preempt_for``, ``on_step`` and ``bind`` are
     passed through by the scheduler.
     """
 

@@ -95,12 +95,8 @@ class Running:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         if not decodes:
             return None
-        for plugin in self._lookahead_plugins:
-            try:
-                answer = plugin.lookahead(decodes, len(self.running))
-            except ComponentError as err:  # user code; reported after the step
-                self._errors.append(err)
-                return None
+        for plugin in self._lookahead_plugins:  # one that raised answers None
+            answer = plugin.lookahead(decodes, len(self.running))
             if answer is not None:
                 break
         else:

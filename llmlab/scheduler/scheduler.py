@@ -26,6 +26,7 @@ from llmlab.plugin import SchedulerPlugin, StepPlan
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.admission import Admitting
 from llmlab.scheduler.batch import Admission, Fork, RowSetup, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.guard import Guarded
 from llmlab.scheduler.lifecycle import Lifecycle
 from llmlab.scheduler.policies import FCFS
 from llmlab.scheduler.policy import FAILED, SchedulerView, SchedulingPolicy, as_policy, views
@@ -94,13 +95,12 @@ class Scheduler(Running, Admitting, Lifecycle):
             raise ValueError(f"two plugins share a name: {names}")
         for plugin in self.plugins:
             plugin.bind(self)
-        self._lookahead_plugins = [
-            p for p in self.plugins if type(p).lookahead is not SchedulerPlugin.lookahead
-        ]
+        self.plugins = tuple(Guarded(p, lambda err: self._errors.append(err)) for p in self.plugins)
+        self._lookahead_plugins = [p for p in self.plugins if p.overrides("lookahead")]
 
     def plugin(self, name: str) -> SchedulerPlugin | None:
         """The plugged-in feature called ``name``, or None."""
-        return next((p for p in self.plugins if p.name == name), None)
+        return next((p.plugin for p in self.plugins if p.name == name), None)
 
     # -- queues ------------------------------------------------------------------------
 
@@ -202,12 +202,8 @@ class Scheduler(Running, Admitting, Lifecycle):
             return
         planned.update(e.request_id for e in todo)
         plan = StepPlan(todo, self._scheduled, self.kv, phase)
-        for plugin in self.plugins:
-            try:
-                side = plugin.plan(plan)
-            except ComponentError as err:  # the eviction policy failed reserving blocks
-                self._errors.append(err)
-                return
+        for plugin in self.plugins:  # one that raised answers None (scheduler/guard.py)
+            side = plugin.plan(plan)
             if side:
                 sides.setdefault(plugin.name, {}).update(side)
 

@@ -90,3 +90,41 @@ def test_a_request_can_carry_its_own_budget(tiny_llama):
 def test_something_that_is_not_a_plugin_is_refused(tiny_llama):
     with pytest.raises(TypeError, match="must be a llmlab.plugin.SchedulerPlugin"):
         LLM(tiny_llama, plugins=[object()])
+
+
+@attrs.define
+class Broken(SchedulerPlugin):
+    """A plugin whose commit raises on the third token of every request."""
+
+    name = "broken"
+
+    def commit(self, request, sent, returned):
+        if len(request.output_token_ids) == 3:
+            raise RuntimeError("boom")
+        return None
+
+
+def test_a_plugin_that_raises_is_reported_after_the_step_and_the_engine_stays_consistent(
+        tiny_llama):
+    from llmlab.errors import ComponentError
+
+    plain = _run(tiny_llama)
+    llm = LLM(tiny_llama, dtype="float32", seed=0, plugins=[Broken()])
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    raised, outputs = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                outputs[out.request_id] = out
+        except ComponentError as err:
+            raised.append(err)
+    assert raised and all("broken" in str(e).lower() and "commit" in str(e) for e in raised)
+    # The hook answered "go on": every request ran to the end, token for token as without it.
+    assert [outputs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        o.outputs[0].token_ids for o in plain
+    ]
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check()

@@ -397,7 +397,11 @@ def _doc_block(starts_with):
 
 def test_the_worked_examples_in_docs_components_run():
     namespace = {}
+    from llmlab import registry
+
     exec(_doc_block("import bisect"), namespace)
+    # The example registers its policy process-wide; other tests expect only the built-ins.
+    registry.table("scheduling_policy").pop("round_robin_users", None)
     policy = namespace["RoundRobinUsers"]()
     sched = make_scheduler(policy, max_num_seqs=1)
     reqs = []
@@ -410,8 +414,6 @@ def test_the_worked_examples_in_docs_components_run():
     while sched.num_unfinished:
         order += [e.request_id for e in step(sched, float(len(order))).entries if e.new_row]
     assert order == ["a0", "b3", "a1", "b4", "a2"]
-
-    from llmlab import registry
 
     exec(_doc_block("from llmlab import register\n\n@register(\"eviction_policy\""), namespace)
     # The example registers "mru" process-wide; other tests expect only the built-ins.
