@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from llmlab.builtin import DRAFT_MODEL_NAME, MAIN_MODEL_NAME, builtin_model_path
 from llmlab.distributed.parallel_state import TensorParallel
 from llmlab.dtypes import AUTO_DTYPES, DTYPE_NAMES, dtype_from_name
 from llmlab.models.layers import config_value
@@ -35,7 +36,9 @@ _IGNORE_PATTERNS = ["consolidated*", "original/*"]
 def resolve_model_path(
     model: str, revision: str | None = None, cache_dir: str | None = None
 ) -> pathlib.Path:
-    """A local model directory as-is, else a Hub repo id downloaded (or found in cache).
+    """A local model directory as-is; the built-in models by name (``"llmlab-stories"``,
+    ``"llmlab-stories-draft"``, the names ``llmlab serve`` gives them), shipped in the
+    package; else a Hub repo id downloaded (or found in cache).
 
     ``cache_dir`` (vLLM's ``download_dir``) is where hub downloads go (default: the
     Hugging Face cache).
@@ -48,6 +51,8 @@ def resolve_model_path(
         return local
     if model.startswith(("/", "./", "../", "~")) or local.exists():
         raise FileNotFoundError(f"model path {model!r} is not a directory")
+    if model in (MAIN_MODEL_NAME, DRAFT_MODEL_NAME):
+        return builtin_model_path(draft=model == DRAFT_MODEL_NAME)
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError

@@ -189,3 +189,14 @@ def test_load_tokenizer_round_trips_text(tiny_model_dirs):
     ids = tokenizer("The river was cold.").input_ids
     assert ids[0] == tokenizer.bos_token_id
     assert tokenizer.decode(ids, skip_special_tokens=True) == "The river was cold."
+
+
+def test_the_built_in_models_resolve_by_the_names_the_server_gives_them(tmp_path, monkeypatch):
+    from llmlab.builtin import builtin_model_path
+    from llmlab.models.loader import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)  # no folder of that name here: the shipped model
+    assert resolve_model_path("llmlab-stories") == builtin_model_path()
+    assert resolve_model_path("llmlab-stories-draft") == builtin_model_path(draft=True)
+    (tmp_path / "llmlab-stories").mkdir()  # a local folder of that name comes first
+    assert resolve_model_path("llmlab-stories").resolve() == tmp_path / "llmlab-stories"
