@@ -538,8 +538,13 @@ def test_the_pooler_in_docs_pooling_runs(tiny_model_factory, hf_base):
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "@register" in b]
     namespace: dict = {}
     exec(code, namespace)  # noqa: S102 - the documented example itself
+    from llmlab import registry
+
     path = tiny_model_factory("Qwen3ForCausalLM")
-    llm = _llm(path, pooler_config={"pooling_type": "max", "normalize": False})
+    try:
+        llm = _llm(path, pooler_config={"pooling_type": "max", "normalize": False})
+    finally:  # the example registers "max" process-wide; docs/components.md's does too
+        registry.table("pooler").pop("max", None)
     out = llm.embed(PROMPTS[2], use_tqdm=False)[0]
     want = _hidden_states(hf_base(path), out.prompt_token_ids).max(dim=0).values
     torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=1e-5)
