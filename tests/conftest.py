@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -22,6 +23,33 @@ ARCHITECTURES = [
     "GPT2LMHeadModel",
     "OPTForCausalLM",
 ]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one pytest-xdist worker per core this process may use (CPU affinity and
+    the cgroup's quota, as :func:`llmlab.threads.available_cpus` counts them), not psutil's
+    count of the machine's physical cores, which a container's quota does not lower."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads the user's choice
+    from llmlab.threads import available_cpus
+
+    return available_cpus()
+
+
+def pytest_configure(config):
+    # A shell starts a background job with SIGINT ignored, and Python keeps that setting, so
+    # _thread.interrupt_main() does nothing there (tests/engine/test_faults.py interrupts
+    # generate() that way). Python's own handler, as in a foreground run; also in each worker.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A pytest-xdist worker shares the cores with the other workers: an equal share of torch
+    # threads each (one on two cores), as llmlab gives the processes it starts itself
+    # (llmlab.threads.child_env). A lower count stands, so engines built by the tests keep it.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        from llmlab.threads import available_cpus
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), available_cpus() // workers)))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
 import torch
 
 from llmlab.request import Request
@@ -28,6 +29,13 @@ def subprocess_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str
         env.pop(name, None)
     env.update(extra)
     return env
+
+
+def slow_after_first(values) -> list:
+    """``values`` for ``parametrize``: the first runs in the default suite, the others are
+    marked ``slow`` (CI runs them): one case of an expensive end-to-end check per run."""
+    values = list(values)
+    return values[:1] + [pytest.param(value, marks=pytest.mark.slow) for value in values[1:]]
 
 
 def make_request(tokens, *, arrival=None, max_tokens=16, request_id=None, **params) -> Request:

@@ -86,6 +86,7 @@ def test_notebook_is_saved_without_outputs(path: pathlib.Path):
         )
 
 
+@pytest.mark.slow  # a fresh Jupyter kernel per notebook: 15-65 s each on 2 cores
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_notebook_id)
 def test_notebook_runs_top_to_bottom(path: pathlib.Path, python3_kernel: str, tmp_path):
     notebook = nbformat.read(path, as_version=4)

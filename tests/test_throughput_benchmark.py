@@ -474,6 +474,7 @@ def test_the_cuda_path_end_to_end_with_stand_ins_for_the_gpu(
     assert decode["profiled_wall_ms"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # the whole benchmark on CPU, Hugging Face's generate included: 20-40 s
 def test_the_cpu_path_end_to_end_prints_best_hf_and_the_roofline(tiny_llama, tmp_path, capsys):
     out = tmp_path / "cpu.json"
     throughput.main([

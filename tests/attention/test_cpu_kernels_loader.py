@@ -60,6 +60,7 @@ def test_disabled_by_environment(fresh_loader):
     assert "LLMLAB_CPU_KERNELS" in cpu_kernels.unavailable_reason()
 
 
+@pytest.mark.slow  # compiles the kernels twice: 10-30 s on 2 cores
 @needs_compiler
 def test_a_stale_install_time_build_is_ignored_and_rebuilt(fresh_loader, tmp_path):
     stale = tmp_path / "_cpu_kernels.stale.so"

@@ -324,6 +324,7 @@ def test_a_killed_replica_fails_its_requests_and_the_rest_carry_on(tiny_llama):
     assert not {c.pid for c in replica_children()} & set(pids)  # stopped and reaped
 
 
+@pytest.mark.slow  # a front-end process and its two replicas: about 20 s on 2 cores
 def test_replicas_exit_when_the_front_end_process_is_killed(tiny_llama, tmp_path):
     script = tmp_path / "front.py"
     script.write_text(textwrap.dedent(f"""

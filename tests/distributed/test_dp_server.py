@@ -19,6 +19,8 @@ from tests.server.conftest import metric, running
 
 pytest.importorskip("fastapi")
 
+pytestmark = pytest.mark.slow  # servers over replica processes: 20-45 s a test on 2 cores
+
 MAX_TOKENS = 24
 
 

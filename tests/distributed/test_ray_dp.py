@@ -28,6 +28,9 @@ from llmlab.distributed.data_parallel import (  # noqa: E402
 from llmlab.distributed.ray_replicas import RayReplicaHandle, replica_resources  # noqa: E402
 from llmlab.distributed.replica_process import ReplicaSpec  # noqa: E402
 
+# The tests that start the Ray instance are marked slow (about a minute together on 2 cores;
+# CI runs them); the others run by default.
+
 PROMPTS = [
     {"prompt_token_ids": [1, 15, 27, 99, 4]},
     {"prompt_token_ids": [7, 3, 250, 41, 8, 60, 2, 11]},
@@ -76,6 +79,7 @@ def dp_llm(tiny_llama, ray_cluster):
     _assert_gone(actors)
 
 
+@pytest.mark.slow
 def test_ray_replicas_match_one_engine_and_share_the_requests(dp_llm, tiny_llama):
     engine = dp_llm.llm_engine
     assert isinstance(engine, DataParallelEngine)
@@ -104,6 +108,7 @@ def test_ray_replicas_match_one_engine_and_share_the_requests(dp_llm, tiny_llama
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_a_killed_replica_actor_fails_only_its_requests(dp_llm):
     engine = dp_llm.llm_engine
     params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
@@ -144,6 +149,7 @@ def test_a_killed_replica_actor_fails_only_its_requests(dp_llm):
     assert engine.replicas[1].commands_sent == 3  # nothing more was sent to the dead one
 
 
+@pytest.mark.slow
 def test_an_unschedulable_replica_times_out_leaving_nothing(tiny_llama, ray_cluster):
     # Two replicas of 2 threads each need 4 CPUs; the cluster has 2: replica 1 never starts.
     start = time.monotonic()
@@ -171,6 +177,7 @@ def test_replica_resources_follow_the_device_and_sizes(tiny_llama):
     assert resources == {"CPU": 1.0, "GPU": 0.0} and own["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_only_the_actor_with_the_key_is_accepted(tiny_llama, ray_cluster, monkeypatch):
     monkeypatch.setattr(ray_replicas, "_HANDSHAKE_S", 0.5)
     spec = ReplicaSpec(0, tiny_llama, None, {"device": "cpu", "cpu_threads": 1}, None,

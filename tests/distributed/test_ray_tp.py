@@ -19,6 +19,9 @@ ray = pytest.importorskip("ray")
 from llmlab import LLM, SamplingParams  # noqa: E402
 from llmlab.distributed import ray_workers  # noqa: E402
 
+# The tests that start the Ray instance are marked slow (about a minute together on 2 cores;
+# CI runs them); the others run by default.
+
 PROMPTS = [
     {"prompt_token_ids": [1, 15, 27, 99, 4]},
     {"prompt_token_ids": [7, 3, 250, 41, 8, 60, 2, 11]},
@@ -58,6 +61,7 @@ def _assert_gone(workers) -> None:
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
 
 
+@pytest.mark.slow
 def test_ray_ranks_match_one_process(tiny_llama, ray_cluster):
     reference = LLM(tiny_llama, device="cpu", cpu_threads=1)
     expected = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -86,6 +90,7 @@ def test_ray_ranks_match_one_process(tiny_llama, ray_cluster):
     assert all(w.describe_exit() == "left the group" for w in workers)
 
 
+@pytest.mark.slow
 def test_killed_actor_fails_generate_naming_the_rank(tiny_llama, ray_cluster):
     llm = _ray_llm(tiny_llama)
     engine = llm.llm_engine
@@ -131,6 +136,7 @@ def test_killed_actor_fails_generate_naming_the_rank(tiny_llama, ray_cluster):
     _assert_gone([worker])
 
 
+@pytest.mark.slow
 def test_unreservable_ranks_time_out_leaving_nothing(tiny_llama, ray_cluster):
     # Two ranks of 2 threads each need 4 CPUs; the cluster has 2.
     with pytest.raises(TimeoutError, match="Ray could not reserve"):

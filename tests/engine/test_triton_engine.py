@@ -20,7 +20,7 @@ from llmlab import LLM, SamplingParams
 from llmlab.attention import TorchPagedAttention, TritonPagedAttention, auto_backend
 from llmlab.attention.triton_backend import triton_unavailable_reason
 from tests.engine.test_hf_parity import assert_no_leaks
-from tests.helpers import subprocess_env
+from tests.helpers import slow_after_first, subprocess_env
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -63,7 +63,10 @@ def _run(path, backend, prompts):
 
 
 @needs_triton
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+# In Triton's interpreter (no GPU) 15-35 s per architecture: Llama by default, all in CI.
+@pytest.mark.parametrize(
+    "arch", slow_after_first(["LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+)
 def test_triton_backend_generates_what_torch_does(tiny_model_factory, arch):
     """Llama and Qwen3 (head_dim 32, q/k norms) as the issue asks, and Mistral for its
     sliding window (24 tokens, shorter than the contexts here)."""

@@ -292,6 +292,7 @@ def test_an_unexpected_error_is_a_500_with_a_request_id_on_a_connection_that_sta
             assert headers.get("connection") != "close"
 
 
+@pytest.mark.slow  # a served process under a flood of requests: 20-40 s on 2 cores
 def test_a_flooded_busy_server_answers_429_at_once(tmp_path):
     """5,000 connections open on a busy, full ``llmlab serve`` (a child process, as users
     run it): a request over the bound is answered 429 in well under 100 ms (median), the

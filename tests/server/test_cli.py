@@ -21,6 +21,7 @@ def run_cli(args, cache_dir):
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow  # two fresh `llmlab generate` processes: about 30 s on 2 cores
 def test_generate_without_model_tells_a_story_with_the_builtin_model(tmp_path):
     from llmlab.builtin.stories import vocabulary, words
 

@@ -12,6 +12,10 @@ from schemathesis import checks
 
 from tests.server.conftest import running
 
+# About a minute of fuzzing on 2 cores; CI runs it (`-m slow`). The whole module, so the health
+# check after fuzzing runs after it, in the same process.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def fuzz_url(tiny_llama):
