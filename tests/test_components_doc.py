@@ -25,6 +25,13 @@ def restored_registry():
     for kind in registry.KINDS:
         registry.available(kind)  # load the built-ins first, so they are kept
     saved = {kind: dict(registry.table(kind)) for kind in registry.KINDS}
+    # Names other tests' examples left registered (docs/tool_calling.md's parser, say) would
+    # collide with this page's: the page runs against the built-ins alone.
+    for kind in registry.KINDS:
+        table = registry.table(kind)
+        for name in [n for n, f in table.items()
+                     if not getattr(f, "__module__", "llmlab").startswith("llmlab")]:
+            del table[name]
     yield
     for kind, entries in saved.items():
         table = registry.table(kind)
