@@ -36,11 +36,24 @@ PREFIX = list(range(10, 30))
 PROMPTS = [PREFIX + [40, 41], [5, 6, 7], list(range(3, 43)), [9] * 30, [100, 7, 12, 13], [2] * 17]
 
 
+_EARLIER: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    """Spawned children alive before this test (another test's replicas still exiting, in
+    the same xdist worker) are not this test's ranks."""
+    _EARLIER.clear()
+    _EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+
+
 def _tp_children() -> list[psutil.Process]:
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "spawn" in " ".join(child.cmdline()):
+            if (child.pid not in _EARLIER and child.status() != psutil.STATUS_ZOMBIE
+                    and "spawn" in " ".join(child.cmdline())):
                 found.append(child)
         except psutil.NoSuchProcess:
             pass
