@@ -234,16 +234,11 @@ class Scheduler(Running, Admitting, Lifecycle):
             )
             for f in request.forks:
                 self._scheduled[f.request_id] = f
-        if pooling is not None:
-            # Prefill only: nothing is sampled (the pooling plugin answers the entry that
-            # ends the prompt with the pooled output).
-            return ScheduledRequest(
-                rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
-                blocks, 0, setup, num_prompt_tokens=len(request.prompt_token_ids),
-            )
+        # A pooling request is prefill only: it scores nothing (its plugin answers the entry
+        # that ends the prompt with the pooled output).
         return ScheduledRequest(
             rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
-            blocks, 1 if scored else 0, setup, forks,
+            blocks, 1 if scored and pooling is None else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
             len(request.prompt_token_ids),
         )
