@@ -218,7 +218,10 @@ def test_tokens_count_prompt_plus_max_tokens_per_sequence(bounded):
             held = asyncio.create_task(client.post(COMP, json={
                 "prompt": "busy", "n": 30, "max_tokens": 120, "ignore_eos": True,
                 "temperature": 1.0}))  # 3,600 tokens and more
-            while admission.held.tokens < 3600:
+            # Past 3,600: settled (its prompt tokens counted), not merely the estimate of
+            # 30 x 120 made before tokenizing; against the estimate alone the newcomer's
+            # 400 would fit exactly, race the held request's settle and win it.
+            while admission.held.tokens <= 3600:
                 await asyncio.sleep(0.005)
             refused = await client.post(COMP, json={"prompt": "x", "n": 2, "max_tokens": 200,
                                                     "temperature": 1.0})
