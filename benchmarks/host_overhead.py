@@ -59,7 +59,7 @@ def run_point(num_running: int, steps: int, kind: str, forward_ms: float, loop: 
     """One repeat: a fresh engine, ``num_running`` requests decoding, ``steps`` timed steps.
     Returns per-step medians in ms (``wall``, ``model``, ``host`` = wall - model)."""
     warmup = 8
-    max_tokens = warmup + steps + 8  # nobody finishes while timed
+    max_tokens = warmup + 2 * steps + 8  # nobody finishes while timed (twice: the stages)
     engine = build(num_running, max_tokens, loop)
     vocab = engine.executor.model.vocab_size
     model = NullModel(vocab) if kind == "null" else FixedTimeModel(vocab, forward_ms / 1e3)

@@ -164,6 +164,10 @@ class EngineConfig:
             across steps, sharing each step's token budget with decodes. ``False``: every
             prompt is prefilled in one step, so ``max_num_batched_tokens`` must be at least
             ``max_model_len``.
+        async_scheduling: overlapped scheduling (vLLM's setting): plan and start each
+            step's batch while the previous one runs, so the host's scheduling and commit
+            hide behind the forward (:mod:`llmlab.engine.overlap`); same tokens as the
+            synchronous engine. ``None``: on for a single-device CUDA engine, off elsewhere.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most new tokens per step (prefill chunks + decodes);
             ``None`` picks 8192 on CUDA and 2048 on CPU, where activations of larger
@@ -337,6 +341,9 @@ class EngineConfig:
     enable_chunked_prefill: bool | None = attrs.field(
         default=None,
         converter=functools.partial(as_bool, "enable_chunked_prefill", allow_none=True),
+    )
+    async_scheduling: bool | None = attrs.field(
+        default=None, converter=functools.partial(as_bool, "async_scheduling", allow_none=True)
     )
     max_num_seqs: int = attrs.field(default=256, converter=_positive("max_num_seqs"))
     max_num_batched_tokens: int | None = attrs.field(

@@ -109,6 +109,12 @@ class SchedulerPlugin:
         press's compactions), or None."""
         return None
 
+    def plans_ahead(self, batch: Any) -> bool:
+        """Whether the next batch may be planned while ``batch`` runs, before its outputs
+        are committed (overlapped scheduling: :mod:`llmlab.engine.overlap`). Default no:
+        a feature deciding from committed state keeps those steps synchronous."""
+        return False
+
 
 class RunnerPlugin:
     """A feature's runner side (see the module docstring). Subclass it and override the

@@ -116,6 +116,12 @@ class Request:
     # so they never enter the prefix index. Reset when it is recomputed after preemption.
     kv_dropped: int = 0
     kv_compressed: bool = False
+    # Overlapped scheduling (planning a step while the previous one runs): positions past
+    # ``num_computed_tokens`` that a batch still in flight computes, and the tokens it will
+    # sample (0 or 1); the scheduler sets them while it plans ahead of that batch and
+    # clears them when it commits it. Always 0 in a synchronous engine.
+    num_ahead: int = 0
+    num_placeholders: int = 0
     _view: RequestView | None = attrs.field(default=None, init=False, repr=False)
 
     @property
@@ -131,9 +137,9 @@ class Request:
 
     @property
     def num_cached_kv(self) -> int:
-        """Tokens the KV cache holds for it (``num_computed_tokens`` less what a KV press
-        dropped): where its next token's KV is written."""
-        return self.num_computed_tokens - self.kv_dropped
+        """Tokens the KV cache holds for it (``num_computed_tokens`` and a batch in flight's
+        ``num_ahead``, less what a KV press dropped): where its next token's KV is written."""
+        return self.num_computed_tokens + self.num_ahead - self.kv_dropped
 
     @property
     def num_tokens(self) -> int:

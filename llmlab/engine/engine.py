@@ -35,6 +35,7 @@ from llmlab.engine.inputs import InputProcessor, PreparedRequest, PromptType
 from llmlab.engine.intake import Intake
 from llmlab.engine.interrupts import deferred_interrupts
 from llmlab.engine.output_processor import OutputProcessor
+from llmlab.engine.overlap import overlap_for
 from llmlab.engine.outputs import RequestOutput
 from llmlab.errors import RequestFailedError, raise_first
 from llmlab.lora.store import AdapterStore
@@ -88,6 +89,8 @@ class Engine(Intake, Observable):
     # Outputs not yet returned (a step that raised after updating requests).
     _undelivered: list[RequestOutput] = attrs.field(factory=list)
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
+    # Overlapped scheduling (EngineConfig.async_scheduling), or None: synchronous steps.
+    overlap: Any = None
 
     def __attrs_post_init__(self) -> None:
         if self.grammars is None and self.tokenizer is not None:
@@ -96,6 +99,8 @@ class Engine(Intake, Observable):
             self.inputs = InputProcessor.of(self)
         if self.outputs is None:
             self.outputs = OutputProcessor(self.tokenizer)
+        if self.overlap is None:
+            self.overlap = overlap_for(self)
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> Engine:
@@ -124,6 +129,8 @@ class Engine(Intake, Observable):
         """Stop what the executor started (tensor-parallel worker processes or actors) and
         the grammar compiles (their processes, and callers waiting for them); safe to call
         twice."""
+        if self.overlap is not None:
+            self.overlap.shutdown()
         if self.grammars is not None:
             self.grammars.close()
         close = getattr(self.executor, "shutdown", None)
@@ -131,7 +138,8 @@ class Engine(Intake, Observable):
             close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        in_flight = self.overlap is not None and self.overlap.in_flight
+        return self.scheduler.num_unfinished > 0 or in_flight
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -151,8 +159,11 @@ class Engine(Intake, Observable):
 
         If a user component failed during the step, the engine's state is consistent and
         the error is raised after the step; the step's outputs are returned by the next
-        call instead of being lost.
+        call instead of being lost. With overlapped scheduling (:mod:`.overlap`) the next
+        batch is planned and started before this one's outputs are committed.
         """
+        if self.overlap is not None:
+            return self.overlap.step()
         with self._lock:
             start = self.clock()
             with deferred_interrupts():
@@ -170,13 +181,18 @@ class Engine(Intake, Observable):
                     self.scheduler.resend_rows()
                     raise
                 model_time = self.clock() - t0
-            with deferred_interrupts():
-                event, errors = self._commit(batch, output, start, model_time)
-            if event is not None:
-                notify(self.observers, event)
-            raise_first(errors)
-            outputs, self._undelivered = self._undelivered, []
-            return outputs
+            return self._deliver(batch, output, start, model_time)
+
+    def _deliver(self, batch: ScheduledBatch, output: BatchOutput | None, start: float,
+                 model_time: float) -> list[RequestOutput]:
+        """Commit an executed batch, tell the observers, raise what failed, return outputs."""
+        with deferred_interrupts():
+            event, errors = self._commit(batch, output, start, model_time)
+        if event is not None:
+            notify(self.observers, event)
+        raise_first(errors)
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
 
     def _commit(
         self, batch: ScheduledBatch, output: BatchOutput | None, start: float, model_time: float
@@ -184,13 +200,14 @@ class Engine(Intake, Observable):
         requests = self._requests
         finished: list[Request] = []
         progressed: list[tuple[Request, int]] = []  # (request, outputs before this step)
-        batch_requests = {}
+        # The batch's requests as scheduled (one that ended while it ran is in it still).
+        batch_requests = self.scheduler.requests_of(batch)
         for entry in batch.entries:
-            request = batch_requests[entry.request_id] = requests[entry.request_id]
+            request = batch_requests[entry.request_id]
             if entry.num_scored:
                 progressed.append((request, len(request.output_token_ids)))
                 if entry.forks:
-                    progressed.extend((requests[f.request_id], 0) for f in entry.forks)
+                    progressed.extend((batch_requests[f.request_id], 0) for f in entry.forks)
         if batch.entries:
             finished = self.scheduler.update(batch, output)
         for request, before in progressed if self.tokenizer is not None else ():

@@ -42,3 +42,6 @@ class LoRASchedule(SchedulerPlugin):
                 if lora is not None:
                     side[entry.request_id] = lora
         return side
+
+    def plans_ahead(self, batch: Any) -> bool:
+        return True  # a row's adapter is fixed at its setup: nothing waits on outputs

@@ -32,6 +32,7 @@ import torch
 
 from llmlab.attention.backend import AttentionContext, token_slots
 from llmlab.runner.block_tables import BlockTables
+from llmlab.runner.inputs import fill_placeholders
 from llmlab.scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -108,11 +109,13 @@ class DecodeGraphs:
         return None
 
     def run(self, batch: ScheduledBatch, tables: BlockTables,
-            dropped: np.ndarray | None = None) -> torch.Tensor | None:
+            dropped: np.ndarray | None = None, sampling_rows: Any = None
+            ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a pure decode batch through a graph, or None
         when this batch must run eagerly (prefill, too large, graphs disabled).
         ``tables``: the rows' block tables (the runner's, already updated by the batch);
-        ``dropped``: per entry, positions its row no longer caches (a KV press), or None."""
+        ``dropped``: per entry, positions its row no longer caches (a KV press), or None;
+        ``sampling_rows``: the runner's rows, whose last tokens fill placeholders."""
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
@@ -130,11 +133,12 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
             self.captured[size] = captured
-        self._fill(entries, tables, size, dropped)
+        self._fill(entries, tables, size, dropped, sampling_rows)
         captured.replay()
         return captured.hidden[: len(entries)]
 
-    def _fill(self, entries, tables: BlockTables, size: int, dropped=None) -> None:
+    def _fill(self, entries, tables: BlockTables, size: int, dropped=None,
+              sampling_rows=None) -> None:
         n, bs = len(entries), self.block_size
         ids, pos, slot = self._ids_h.numpy(), self._pos_h.numpy(), self._slot_h.numpy()
         lens, staged = self._len_h.numpy(), self._bt_h.numpy()
@@ -144,6 +148,8 @@ class DecodeGraphs:
         # A row a KV press compacted caches ``dropped`` fewer tokens than its position.
         c = p if dropped is None else p - dropped
         ids[:n] = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
+        if sampling_rows is not None:
+            fill_placeholders(sampling_rows, ids[:n], rows)
         pos[:n] = p
         lens[:n] = c + 1
         width = max(1, int(-(-(c.max() + 1) // bs)))

@@ -56,6 +56,7 @@ def batch_inputs(
         input_ids = np.fromiter(
             (t for e in entries for t in e.token_ids), np.int64, num_tokens
         )
+    fill_placeholders(runner.rows, input_ids, cols[:, 2], seq_index)
     kv_pos = pos if dropped is None else pos - dropped[seq_index]
     slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
     dev = runner.device
@@ -88,3 +89,19 @@ def kv_offsets(plugins: Any, batch: ScheduledBatch) -> tuple[np.ndarray | None, 
         dropped = d if dropped is None else dropped
         layer_shift = shift if layer_shift is None else layer_shift
     return dropped, layer_shift
+
+
+def fill_placeholders(rows: Any, input_ids: np.ndarray, entry_rows: np.ndarray,
+                      seq_index: np.ndarray | None = None) -> None:
+    """Replace each :data:`~llmlab.scheduler.batch.PLACEHOLDER` in ``input_ids`` (in
+    place) with the last token its row sampled: the batch was planned while the previous
+    one ran (overlapped scheduling), and that one sampled it. ``entry_rows``: each entry's
+    row; ``seq_index``: each token's entry (None: one token per entry)."""
+    holes = np.flatnonzero(input_ids < 0)
+    for i in holes.tolist():
+        row = rows[int(entry_rows[i if seq_index is None else seq_index[i]])]
+        if row is None or not row.output_token_ids:
+            raise ValueError(
+                f"token {i} of the batch is a placeholder, but its row has sampled nothing"
+            )
+        input_ids[i] = row.output_token_ids[-1]

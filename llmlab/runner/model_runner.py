@@ -84,6 +84,10 @@ class ModelRunner(Sampling):
     speculator: Speculator | None = None
     plugins: tuple[RunnerPlugin, ...] = ()
     attention_state: Any = attrs.field(init=False, default=None)
+    # It fills PLACEHOLDER tokens from its rows: the engine may plan a batch ahead of it,
+    # and commit the last one once this says its forward began (engine/overlap.py).
+    plans_ahead = True
+    forward_began: Any = attrs.field(init=False, default=None)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -179,10 +183,15 @@ class ModelRunner(Sampling):
             # were captured without any slot index; a KV press keeping queries).
             dropped, layer_shift = self.kv_offsets(batch)
             if layer_shift is None:
-                hidden = self.decode_graphs.run(batch, self.block_tables, dropped)
+                hidden = self.decode_graphs.run(batch, self.block_tables, dropped, self.rows)
+        cuda = self.device.type == "cuda"
         if hidden is None:
+            if self.forward_began is not None and not cuda:
+                self.forward_began()  # a CPU forward holds the host from here
             hidden = self.run_model(batch, self.kv_caches, self.attention_state,
                                     contexts=contexts)
+        if self.forward_began is not None and cuda:
+            self.forward_began()  # launched: the host waits only for the sampled tokens
         return self._after(batch, hidden, self._sample(batch, hidden), contexts)
 
     def _after(self, batch: ScheduledBatch, hidden: torch.Tensor, output: BatchOutput,

@@ -31,9 +31,15 @@ from llmlab.sampling.params import SamplingParams
 from llmlab.scheduler.records import Admission
 from llmlab.validation import FrozenDict
 
-__all__ = ["Admission", "BatchOutput", "Fork", "RowSetup", "ScheduledBatch", "ScheduledRequest"]
+__all__ = [
+    "PLACEHOLDER", "Admission", "BatchOutput", "Fork", "RowSetup", "ScheduledBatch",
+    "ScheduledRequest",
+]
 
 NO_SIDES: FrozenDict = FrozenDict()
+# In an entry's ``token_ids``: the token a batch still in flight samples for this request
+# (overlapped scheduling); the executor reads it from the row's last sampled token.
+PLACEHOLDER = -1
 
 
 @attrs.frozen
@@ -76,7 +82,8 @@ class ScheduledRequest(NamedTuple):
         row: stable row of the request, in ``[0, max_num_seqs)``.
         start: positions already in the KV cache (prefix hit or earlier steps); the span
             covers positions ``start .. start + len(token_ids) - 1``.
-        token_ids: the tokens to compute this step.
+        token_ids: the tokens to compute this step (:data:`PLACEHOLDER` for one the
+            previous batch, still in flight, samples).
         blocks_from, blocks: ``table[blocks_from:] = blocks`` for the row's block table
             (a row's first entry sends the whole table; later ones usually nothing, or
             one new block).

@@ -17,7 +17,7 @@ NEUTRAL: dict[str, Any] = {
     "added": None, "admissible": True, "lookahead": None, "prefix_limit": None,
     "plan": None, "check": None, "settle": None, "commit": None, "forked": None,
     "recompute_only": False, "preempted": None, "finished": None, "begin_step": None,
-    "report": None,
+    "report": None, "plans_ahead": False,
 }
 
 

@@ -21,8 +21,26 @@ class Lifecycle:
 
     def resend_rows(self) -> None:
         """The executor failed mid-step and dropped its per-row state: every running
-        request's next entry carries its row's setup and whole block table again."""
+        request's next entry carries its row's setup and whole block table again, and no
+        batch is in flight any more (its spans are scheduled again)."""
         self._resend = {r.request_id for r in self.running}
+        self._batches.clear()
+        for request in self.running:
+            request.num_ahead = request.num_placeholders = 0
+
+    def requests_of(self, batch: ScheduledBatch) -> dict[str, Request]:
+        """The requests of a batch not yet committed, by id (its forks' included)."""
+        return self._batches.get(id(batch), {})
+
+    def _mark_ahead(self, batch: ScheduledBatch) -> None:
+        """Planning ahead of ``batch`` (in flight): its running requests' spans count as
+        computed, and each token it samples as a placeholder, until ``update(batch)``."""
+        scheduled = self.requests_of(batch)
+        for entry in batch.entries:
+            request = scheduled.get(entry.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.num_ahead = len(entry.token_ids)
+                request.num_placeholders = 1 if entry.num_scored else 0
 
     def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
         """Advance the batch's requests; append their new tokens; return those that finished.
@@ -41,7 +59,7 @@ class Lifecycle:
         on_step = self._optional("on_step")
         served: list[Served] = []
         finished = []
-        scheduled = self._scheduled
+        scheduled = self._batches.pop(id(batch))
         cache_computed_blocks = self.kv.cache_computed_blocks
         block_size = self.kv.block_size
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
@@ -55,8 +73,9 @@ class Lifecycle:
             zip(batch.entries, output.token_ids, output.logprobs)
         ):
             request = scheduled[entry.request_id]
-            if request.status is not running:  # aborted while the step ran
+            if request.status is not running:  # ended (or preempted) while the step ran
                 continue
+            request.num_ahead = request.num_placeholders = 0  # committed now
             if failures is not None and failures[i] is not None:
                 # This request alone failed in execution: it ends; the batch goes on.
                 self._fail(request, f"request {request.request_id!r} failed: {failures[i]}")
@@ -215,6 +234,7 @@ class Lifecycle:
         self._release_row(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        request.num_ahead = request.num_placeholders = 0  # its batch in flight: dropped
         swapped = False
         if self._preemption_mode(request) == "swap":
             try:  # keeps num_computed_tokens: it resumes where it stopped

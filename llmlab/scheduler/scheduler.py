@@ -25,7 +25,9 @@ from llmlab.errors import ComponentError
 from llmlab.plugin import SchedulerPlugin, StepPlan
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.admission import Admitting
-from llmlab.scheduler.batch import Admission, Fork, RowSetup, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.batch import (
+    PLACEHOLDER, Admission, Fork, RowSetup, ScheduledBatch, ScheduledRequest,
+)
 from llmlab.scheduler.guard import Guarded
 from llmlab.scheduler.lifecycle import Lifecycle
 from llmlab.scheduler.policies import FCFS
@@ -73,8 +75,10 @@ class Scheduler(Running, Admitting, Lifecycle):
     _rows: Rows = attrs.field(init=False)
     # Running requests whose next entry re-sends their row's setup (after a failed step).
     _resend: set[str] = attrs.field(init=False, factory=set)
-    # The requests of the last batch, by id (``update`` applies the output to them).
+    # The requests of the batch being built, by id; then of each batch not yet committed,
+    # by ``id(batch)`` (``update`` applies the output to them).
     _scheduled: dict[str, Request] = attrs.field(init=False, factory=dict)
+    _batches: dict[int, dict[str, Request]] = attrs.field(init=False, factory=dict)
     _errors: list[Exception] = attrs.field(init=False, factory=list)
     _admitted: list[Admission] = attrs.field(init=False, factory=list)  # this step's
     _next_seq: int = attrs.field(init=False, default=0)
@@ -134,8 +138,13 @@ class Scheduler(Running, Admitting, Lifecycle):
 
     # -- one step ----------------------------------------------------------------------
 
-    def schedule(self, now: float) -> ScheduledBatch:
+    def schedule(self, now: float, ahead_of: ScheduledBatch | None = None) -> ScheduledBatch:
+        """The next batch. ``ahead_of``: a batch still running whose outputs are not yet
+        committed (overlapped scheduling): its spans count as computed and each token it
+        samples as a :data:`~llmlab.scheduler.batch.PLACEHOLDER`."""
         self._now = now
+        if ahead_of is not None:
+            self._mark_ahead(ahead_of)
         for plugin in self.plugins:
             plugin.begin_step()
         if self._unqueued:
@@ -155,7 +164,10 @@ class Scheduler(Running, Admitting, Lifecycle):
         drafting: list[tuple[int, Request, int]] = []  # (entry index, request, lookahead)
         while unscheduled is not None and unscheduled and budget > 0:
             request = unscheduled.popleft()
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + request.num_placeholders
+                          - request.num_computed_tokens - request.num_ahead, budget)
+            if num_new <= 0:  # its last prompt chunk is in flight, and it samples nothing
+                continue
             scheduled = self._grow(request, num_new, unscheduled, preempted, now)
             if scheduled is None:  # a component failed: stop scheduling this step
                 break
@@ -184,7 +196,7 @@ class Scheduler(Running, Admitting, Lifecycle):
                 sides = {k: {r: v for r, v in side.items() if r in ids}
                          for k, side in sides.items()}
         freed = self._rows.drain_released()
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             entries=tuple(entries),
             preempted=tuple(preempted),
             freed_rows=freed,
@@ -193,6 +205,9 @@ class Scheduler(Running, Admitting, Lifecycle):
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
             sides=FrozenDict({k: FrozenDict(v) for k, v in sides.items() if v}),
         )
+        if entries:
+            self._batches[id(batch)] = self._scheduled  # update(batch) reads it
+        return batch
 
     def _plan(self, entries: list[ScheduledRequest], planned: set[str],
               sides: dict[str, dict[str, Any]], phase: str) -> None:
@@ -211,9 +226,10 @@ class Scheduler(Running, Admitting, Lifecycle):
         """The request's share of the step, as plain data (see :mod:`.batch`)."""
         rid = request.request_id
         self._scheduled[rid] = request
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_ahead
         end = start + num_new
-        scored = end == request.num_tokens
+        known = request.num_tokens  # positions past it: placeholders (a batch in flight)
+        scored = end == known + request.num_placeholders
         setup = None
         pooling = request.pooling_params
         if new_row or (self._resend and rid in self._resend):
@@ -226,7 +242,7 @@ class Scheduler(Running, Admitting, Lifecycle):
             )
         blocks_from, blocks = self.kv.table_delta(rid, whole=setup is not None)
         forks = ()
-        if scored and request.forks:
+        if scored and request.forks and not request.num_placeholders:
             rows = self._rows.reserved(rid)
             forks = tuple(
                 Fork(f.request_id, row, f.sampling_params)
@@ -237,7 +253,9 @@ class Scheduler(Running, Admitting, Lifecycle):
         # A pooling request is prefill only: it scores nothing (its plugin answers the entry
         # that ends the prompt with the pooled output).
         return ScheduledRequest(
-            rid, request.row, start, tuple(request.all_token_ids[start:end]), blocks_from,
+            rid, request.row, start,
+            tuple(request.all_token_ids[start:end]) + (PLACEHOLDER,) * max(0, end - known),
+            blocks_from,
             blocks, 1 if scored and pooling is None else 0, setup, forks,
             len(request.prompt_logprobs) - 1 if request.needs_prompt_logprobs else -1,
             len(request.prompt_token_ids),
