@@ -138,8 +138,7 @@ class Engine(Intake, Observable):
             close()
 
     def has_unfinished_requests(self) -> bool:
-        in_flight = self.overlap is not None and self.overlap.in_flight
-        return self.scheduler.num_unfinished > 0 or in_flight
+        return self.scheduler.num_unfinished > 0 or bool(self.overlap and self.overlap.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -159,17 +158,15 @@ class Engine(Intake, Observable):
 
         If a user component failed during the step, the engine's state is consistent and
         the error is raised after the step; the step's outputs are returned by the next
-        call instead of being lost. With overlapped scheduling (:mod:`.overlap`) the next
-        batch is planned and started before this one's outputs are committed.
-        """
+        call instead of being lost. Overlapped (:mod:`.overlap`): the next batch is planned
+        and started before this one's outputs are committed."""
         if self.overlap is not None:
             return self.overlap.step()
         with self._lock:
             start = self.clock()
             with deferred_interrupts():
                 batch = self.scheduler.schedule(start)
-            output = None
-            model_time = 0.0
+            output, model_time = None, 0.0
             if not batch.is_empty:
                 t0 = self.clock()
                 # Interruptible: nothing is committed until update(); if it raises, the

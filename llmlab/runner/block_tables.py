@@ -4,6 +4,7 @@ batch's entries (their ``blocks_from`` / ``blocks`` change)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +27,13 @@ class BlockTables:
         self.tables = np.zeros((num_rows, max(max_blocks, 1)), dtype=np.int64)
         self.lengths = np.zeros(num_rows, dtype=np.int64)
 
-    def apply(self, entries: Sequence[ScheduledRequest]) -> None:
+    def apply(self, entries: Sequence[ScheduledRequest], columns: Any = None) -> None:
+        """Write each entry's change; ``columns`` (the batch's
+        :class:`~llmlab.scheduler.columns.BatchColumns`) finds the changed ones at once."""
         tables, lengths = self.tables, self.lengths
+        if columns is not None:
+            changed = (columns.num_blocks > 0) | (columns.blocks_from != lengths[columns.rows])
+            entries = [entries[i] for i in np.flatnonzero(changed).tolist()]
         for e in entries:
             blocks = e.blocks
             if blocks or e.blocks_from != lengths[e.row]:

@@ -34,6 +34,7 @@ from llmlab.attention.backend import AttentionContext, token_slots
 from llmlab.runner.block_tables import BlockTables
 from llmlab.runner.inputs import fill_placeholders
 from llmlab.scheduler.batch import ScheduledBatch
+from llmlab.scheduler.columns import columns_of
 
 logger = logging.getLogger(__name__)
 
@@ -133,21 +134,21 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
             self.captured[size] = captured
-        self._fill(entries, tables, size, dropped, sampling_rows)
+        self._fill(batch, tables, size, dropped, sampling_rows)
         captured.replay()
         return captured.hidden[: len(entries)]
 
-    def _fill(self, entries, tables: BlockTables, size: int, dropped=None,
+    def _fill(self, batch: ScheduledBatch, tables: BlockTables, size: int, dropped=None,
               sampling_rows=None) -> None:
-        n, bs = len(entries), self.block_size
+        n, bs = len(batch.entries), self.block_size
         ids, pos, slot = self._ids_h.numpy(), self._pos_h.numpy(), self._slot_h.numpy()
         lens, staged = self._len_h.numpy(), self._bt_h.numpy()
         # One new token per row, at position ``start``.
-        rows = np.fromiter((e.row for e in entries), np.int64, n)
-        p = np.fromiter((e.start for e in entries), np.int64, n)
+        columns = columns_of(batch)
+        rows, p = columns.rows, columns.starts
         # A row a KV press compacted caches ``dropped`` fewer tokens than its position.
         c = p if dropped is None else p - dropped
-        ids[:n] = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
+        ids[:n] = columns.token_ids
         if sampling_rows is not None:
             fill_placeholders(sampling_rows, ids[:n], rows)
         pos[:n] = p

@@ -18,6 +18,7 @@ import torch
 
 from llmlab.attention.backend import AttentionInputs, token_slots
 from llmlab.scheduler.batch import ScheduledBatch
+from llmlab.scheduler.columns import columns_of
 
 
 def batch_inputs(
@@ -30,10 +31,8 @@ def batch_inputs(
     ``runner``'s device (see the module docstring)."""
     entries = batch.entries
     n = len(entries)
-    # Host-side index arithmetic in numpy: a few small arrays per step, where each
-    # torch op would cost more in dispatch than in work. One pass over the entries.
-    cols = np.array([(len(e.token_ids), e.start, e.row) for e in entries], dtype=np.int64)
-    lens, start = cols[:, 0], cols[:, 1]
+    columns = columns_of(batch)
+    lens, start, entry_rows = columns.lens, columns.starts, columns.rows
     # A row a feature compacted (a KV press) holds fewer tokens than its positions
     # count: its KV is written and read at ``position - dropped``.
     dropped, layer_shift = runner.kv_offsets(batch)
@@ -42,21 +41,19 @@ def batch_inputs(
     bs = runner.block_size
     if block_tables is None:
         width = int(-(-seq_lens.max() // bs))
-        block_tables = runner.block_tables.tables[cols[:, 2], :width]
-    num_tokens = int(lens.sum())
+        block_tables = runner.block_tables.tables[entry_rows, :width]
+    num_tokens = len(columns.token_ids)
+    input_ids = columns.token_ids.copy()  # placeholders are filled in place
     if num_tokens == n:  # all decodes: one token at each start
         seq_index = np.arange(n)
-        pos = start
-        input_ids = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
+        pos = start.copy()  # the batch's columns are read-only
+        fill_placeholders(runner.rows, input_ids, entry_rows)
     else:
         seq_index = np.repeat(np.arange(n), lens)
         # Position of each flat token: its sequence's start plus its offset in the span.
         first = np.cumsum(lens) - lens
         pos = np.arange(num_tokens) - first[seq_index] + start[seq_index]
-        input_ids = np.fromiter(
-            (t for e in entries for t in e.token_ids), np.int64, num_tokens
-        )
-    fill_placeholders(runner.rows, input_ids, cols[:, 2], seq_index)
+        fill_placeholders(runner.rows, input_ids, entry_rows, seq_index)
     kv_pos = pos if dropped is None else pos - dropped[seq_index]
     slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
     dev = runner.device
@@ -67,7 +64,7 @@ def batch_inputs(
         slot_mapping=slots.to(dev),
         block_size=bs,
         device=dev,
-        rows=tuple(e.row for e in entries),
+        rows=tuple(entry_rows.tolist()),
         # Layers holding different counts read the paged cache: no per-row copy.
         state=attention_state if layer_shift is None else None,
         layer_shift=layer_shift,

@@ -36,12 +36,13 @@ from llmlab.plugin import RunnerPlugin
 from llmlab.runner.cuda_graphs import DecodeGraphs
 from llmlab.runner.host_kv import apply_transfers
 from llmlab.runner.inputs import batch_inputs, kv_offsets
+from llmlab.runner.rows import start_rows
 from llmlab.runner.sampling import Sampling
 from llmlab.sampling.metadata import GrammarFactory, ParamColumns, SamplingRow
-from llmlab.sampling.params import SamplingParams
 from llmlab.sampling.sampler import Sampler
 from llmlab.runner.block_tables import BlockTables
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
+from llmlab.scheduler.columns import columns_of
 from llmlab.speculative.speculator import Speculator
 from llmlab.threads import ThreadGovernor
 
@@ -164,8 +165,9 @@ class ModelRunner(Sampling):
             self.attention.copy_blocks(self.kv_caches, list(batch.block_copies), self.block_size)
         if not batch.entries:
             return BatchOutput.empty()
-        self._start_rows(batch)
-        self.block_tables.apply(batch.entries)
+        columns = columns_of(batch)
+        start_rows(self, batch, columns)
+        self.block_tables.apply(batch.entries, columns)
         plugins = self.plugins
         contexts = [p.before_forward(batch, batch.sides) for p in plugins]
         if self.speculator is not None and any(e.num_lookahead for e in batch.entries):
@@ -213,35 +215,6 @@ class ModelRunner(Sampling):
             self.host_kv.close()
         for plugin in self.plugins:
             plugin.shutdown()
-
-    def _start_rows(self, batch: ScheduledBatch) -> None:
-        rows, started, plugins = self.rows, self._started, self.plugins
-        for e in batch.entries:
-            setup = e.setup
-            if setup is not None:
-                params = setup.params
-                if isinstance(params, SamplingParams):
-                    grammar = None
-                    if params.structured_outputs is not None:
-                        grammar = self._grammars().new_state(
-                            params.structured_outputs, setup.output_token_ids
-                        )
-                    rows[e.row] = SamplingRow(
-                        e.request_id, params, setup.prompt_token_ids,
-                        list(setup.output_token_ids), setup.eos_token_ids, grammar,
-                    )
-                    self.param_columns.set(e.row, params)
-                else:  # a row that does not sample (pooling): its plugin keeps its state
-                    rows[e.row] = None
-                started[e.row] = True
-                for plugin in plugins:
-                    side = batch.sides.get(plugin.name)
-                    plugin.start_row(e.row, e, None if side is None else side.get(e.request_id))
-            elif not started[e.row]:
-                raise ValueError(
-                    f"row {e.row} (request {e.request_id!r}) has no state: a row's first "
-                    "entry must carry its setup"
-                )
 
     # -- tensors -----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from llmlab.sampling.logprobs import gather_logprobs
 from llmlab.sampling.metadata import GrammarFactory, SamplingMetadata, SamplingRow
 from llmlab.sampling.sampler import SamplerOutput
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch, ScheduledRequest
+from llmlab.scheduler.columns import columns_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,12 @@ class Sampling:
         self, batch: ScheduledBatch, hidden: torch.Tensor, drafts: list | None = None
     ) -> BatchOutput:
         entries = batch.entries
-        if drafts is None and hidden.shape[0] == len(entries) and all(
-            e.num_scored == 1 and not e.forks and e.prompt_logprobs_from < 0 for e in entries
-        ):
+        columns = columns_of(batch)
+        if drafts is None and hidden.shape[0] == len(entries) and columns.plain:
             # One scored token per entry (a decode step): every hidden row is sampled, in
             # order, and each entry gets one token.
             rows = self.rows
-            row_ids = [e.row for e in entries]
+            row_ids = columns.rows.tolist()
             sampled, failed = self._draw(
                 self.model.compute_logits(hidden), [rows[r] for r in row_ids], row_ids
             )

@@ -31,14 +31,11 @@ from llmlab.sampling.params import SamplingParams
 from llmlab.scheduler.records import Admission
 from llmlab.validation import FrozenDict
 
-__all__ = [
-    "PLACEHOLDER", "Admission", "BatchOutput", "Fork", "RowSetup", "ScheduledBatch",
-    "ScheduledRequest",
-]
+__all__ = ["PLACEHOLDER", "Admission", "BatchOutput", "Fork", "RowSetup", "ScheduledBatch",
+           "ScheduledRequest"]
 
 NO_SIDES: FrozenDict = FrozenDict()
-# In an entry's ``token_ids``: the token a batch still in flight samples for this request
-# (overlapped scheduling); the executor reads it from the row's last sampled token.
+# A token the batch in flight samples (overlapped scheduling): the row's last sampled one.
 PLACEHOLDER = -1
 
 
@@ -162,6 +159,8 @@ class ScheduledBatch:
             preemption or the offload tier is on.
         sides: per plugged-in feature (its ``name``), its data for this step's entries:
             request id -> plain data (:mod:`llmlab.plugin`); read-only.
+        columns: the entries as arrays (:class:`~llmlab.scheduler.columns.BatchColumns`),
+            built by the scheduler; None: an executor builds them (``columns_of``).
     """
 
     entries: tuple[ScheduledRequest, ...]
@@ -171,6 +170,7 @@ class ScheduledBatch:
     admitted: tuple[Admission, ...] = ()
     kv_transfers: tuple[KVTransfer, ...] = ()
     sides: FrozenDict = NO_SIDES
+    columns: Any = attrs.field(default=None, eq=False, repr=False)
 
     def side(self, name: str) -> Any:
         """The feature ``name``'s side map (request id -> data), or None."""

@@ -2,7 +2,7 @@
 
 The half of :class:`~llmlab.scheduler.scheduler.Scheduler` that writes lifecycle state
 after a batch is built: appending an executor's tokens and deciding what stopped
-(``update``), starting parallel samples (``_fan_out``), a stop string found by output
+(``update``; parallel samples start in :mod:`.parallel`), a stop string found by output
 processing (``stop_string``), preemption, failure and abort (a mixin of ``Scheduler``).
 """
 
@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from llmlab.errors import ComponentError, RequestFailedError
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.batch import BatchOutput, ScheduledBatch
+from llmlab.scheduler.parallel import ParallelSamples
 from llmlab.scheduler.policy import Served
 
 
-class Lifecycle:
+class Lifecycle(ParallelSamples):
     """Transitions of :class:`~llmlab.scheduler.scheduler.Scheduler` (see the module)."""
 
     def resend_rows(self) -> None:
@@ -37,10 +38,9 @@ class Lifecycle:
         computed, and each token it samples as a placeholder, until ``update(batch)``."""
         scheduled = self.requests_of(batch)
         for entry in batch.entries:
-            request = scheduled.get(entry.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                request.num_ahead = len(entry.token_ids)
-                request.num_placeholders = 1 if entry.num_scored else 0
+            request = scheduled[entry.request_id]
+            if request.status is RequestStatus.RUNNING:
+                request.num_ahead, request.num_placeholders = len(entry.token_ids), entry.num_scored
 
     def update(self, batch: ScheduledBatch, output: BatchOutput) -> list[Request]:
         """Advance the batch's requests; append their new tokens; return those that finished.
@@ -59,7 +59,7 @@ class Lifecycle:
         on_step = self._optional("on_step")
         served: list[Served] = []
         finished = []
-        scheduled = self._batches.pop(id(batch))
+        scheduled = self._batches.pop(id(batch), {})  # {}: a batch of no entries
         cache_computed_blocks = self.kv.cache_computed_blocks
         block_size = self.kv.block_size
         prompt_logprobs, all_tops = output.prompt_logprobs, output.top_logprobs
@@ -147,42 +147,6 @@ class Lifecycle:
         for request in finished:
             self._forget(request)
         return finished
-
-    def _fan_out(self, leader: Request, samples) -> list[Request]:
-        """Start the leader's parallel samples: each takes the leader's KV blocks by
-        reference (the partly filled last block is copied when first written), a reserved
-        row, and its own first token."""
-        members, leader.forks = leader.forks, []
-        rows = self._rows.take_reserved(leader.request_id)
-        for member, row, (token_id, logprob, top) in zip(members, rows, samples, strict=True):
-            self.kv.fork(leader, member)
-            member.num_computed_tokens = leader.num_computed_tokens
-            member.num_prompt_computed = leader.num_prompt_computed
-            member.num_cached_tokens = leader.num_cached_tokens
-            # A leader whose KV a feature rewrote (a KV press) shares it with its forks.
-            member.kv_dropped = leader.kv_dropped
-            member.kv_compressed = leader.kv_compressed
-            for plugin in self.plugins:
-                plugin.forked(leader, member)
-            member.status = RequestStatus.RUNNING
-            member.row = row
-            member.seq = self._next_seq
-            self._next_seq += 1
-            self.running.append(member)
-            member.append_output(token_id, logprob, top)
-            status = self._stop_status(member, token_id)
-            if status is not None:
-                self._finish(member, status)  # the caller reports it and tells the policy
-        return members
-
-    def drop_forks(self, request: Request) -> list[Request]:
-        """A request ended before its parallel samples forked: they end with it (same
-        status and error); returns them."""
-        forks, request.forks = request.forks, []
-        for member in forks:
-            member.status = request.status
-            member.error = request.error
-        return forks
 
     def stop_string(self, request: Request, matched: str) -> bool:
         """A stop string matched in the request's text (the output side found it): the one

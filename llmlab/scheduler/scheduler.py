@@ -25,9 +25,9 @@ from llmlab.errors import ComponentError
 from llmlab.plugin import SchedulerPlugin, StepPlan
 from llmlab.request import Request, RequestStatus
 from llmlab.scheduler.admission import Admitting
-from llmlab.scheduler.batch import (
-    PLACEHOLDER, Admission, Fork, RowSetup, ScheduledBatch, ScheduledRequest,
-)
+from llmlab.scheduler.batch import PLACEHOLDER, Admission, Fork, RowSetup, ScheduledBatch
+from llmlab.scheduler.batch import ScheduledRequest
+from llmlab.scheduler.columns import BatchColumns
 from llmlab.scheduler.guard import Guarded
 from llmlab.scheduler.lifecycle import Lifecycle
 from llmlab.scheduler.policies import FCFS
@@ -139,9 +139,8 @@ class Scheduler(Running, Admitting, Lifecycle):
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self, now: float, ahead_of: ScheduledBatch | None = None) -> ScheduledBatch:
-        """The next batch. ``ahead_of``: a batch still running whose outputs are not yet
-        committed (overlapped scheduling): its spans count as computed and each token it
-        samples as a :data:`~llmlab.scheduler.batch.PLACEHOLDER`."""
+        """The next batch; ``ahead_of``: one still running, uncommitted (its spans count as
+        computed, its samples as :data:`~llmlab.scheduler.batch.PLACEHOLDER`\ s)."""
         self._now = now
         if ahead_of is not None:
             self._mark_ahead(ahead_of)
@@ -204,6 +203,7 @@ class Scheduler(Running, Admitting, Lifecycle):
             block_copies=tuple(self.kv.take_block_copies()),
             admitted=tuple(a for a in self._admitted if a.request_id not in preempted),
             sides=FrozenDict({k: FrozenDict(v) for k, v in sides.items() if v}),
+            columns=BatchColumns.of(entries) if entries else None,
         )
         if entries:
             self._batches[id(batch)] = self._scheduled  # update(batch) reads it

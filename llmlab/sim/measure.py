@@ -1,13 +1,16 @@
 """Measuring a machine's rates for the roofline: matmul FLOP/s and memory bandwidth, on
 CPU and CUDA (torch is imported when a measurement runs). Each takes the best of short
 trials, so other processes sharing the machine distort it as little as possible. A rate
-that depends on the rows in flight is a :class:`RateCurve`."""
+that depends on the rows in flight is a :class:`RateCurve`. A CPU's matmul rate is the best
+over the kernels it can run (``torch.mm`` and llmlab's own prepacked oneDNN linear, which
+beats ``torch.mm`` on small row counts): a floor priced at a slower kernel's rate is no
+floor for an engine that runs a faster one."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -66,6 +69,20 @@ def dtype_bytes(dtype: Any) -> int:
     return _torch_dtype(dtype).itemsize
 
 
+def _best_rate(run, flops: float, num_trials: int, trial_time_s: float) -> float:
+    """``flops / s`` of ``run()`` at its best trial (a few untimed calls first)."""
+    for _ in range(3):
+        run()
+    best_s_per_call = float("inf")
+    for _ in range(num_trials):
+        iterations, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < trial_time_s or iterations < 2:
+            run()
+            iterations += 1
+        best_s_per_call = min(best_s_per_call, elapsed / iterations)
+    return flops / best_s_per_call
+
+
 def measure_matmul_flops_per_s(
     rows: int,
     inner: int,
@@ -82,16 +99,151 @@ def measure_matmul_flops_per_s(
     a = torch.randn(rows, inner, dtype=dtype)
     b = torch.randn(inner, cols, dtype=dtype)
     out = torch.empty(rows, cols, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    best_s_per_mm = float("inf")
-    for _ in range(num_trials):
-        iterations, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < trial_time_s or iterations < 2:
-            torch.mm(a, b, out=out)
-            iterations += 1
-        best_s_per_mm = min(best_s_per_mm, elapsed / iterations)
-    return 2 * rows * inner * cols / best_s_per_mm
+    return _best_rate(
+        lambda: torch.mm(a, b, out=out), 2 * rows * inner * cols, num_trials, trial_time_s
+    )
+
+
+def measure_packed_linear_flops_per_s(
+    rows: int,
+    inner: int,
+    cols: int,
+    num_trials: int = 15,
+    trial_time_s: float = 0.05,
+    dtype: Any = "float32",
+) -> float:
+    """Best rate of llmlab's prepacked oneDNN linear (``llmlab.kernels.cpu_linear``, what
+    the engine's linears run on CPU unless ``cpu_linear="plain"``) for ``rows`` rows of
+    width ``inner`` through a ``[cols, inner]`` weight, no bias, over short trials."""
+    import torch
+
+    from llmlab.kernels.cpu_linear import pack_weight, packed_linear
+
+    dtype = _torch_dtype(dtype)
+    x = torch.randn(rows, inner, dtype=dtype)
+    packed = pack_weight(torch.randn(cols, inner, dtype=dtype))
+    return _best_rate(
+        lambda: packed_linear(x, packed, None, cols), 2 * rows * inner * cols, num_trials,
+        trial_time_s,
+    )
+
+
+# A CPU matmul kernel's rate measurement: (rows, inner, cols, num_trials, trial_time_s,
+# dtype) -> FLOP/s, with measure_matmul_flops_per_s's signature.
+MatmulKernel = Callable[[int, int, int, int, float, Any], float]
+
+TORCH_MM = "torch.mm"
+LLMLAB_ONEDNN = "llmlab oneDNN linear"
+
+
+def cpu_matmul_kernels() -> tuple[dict[str, MatmulKernel], dict[str, str]]:
+    """The CPU matmul kernels this machine can run, by name, and those it cannot, with
+    why: ``torch.mm`` always, llmlab's prepacked oneDNN linear where this torch build has
+    oneDNN (the engine's linears run on it there; see ``EngineConfig.cpu_linear``)."""
+    from llmlab.kernels.cpu_linear import onednn_unavailable_reason
+
+    kernels: dict[str, MatmulKernel] = {TORCH_MM: measure_matmul_flops_per_s}
+    skipped: dict[str, str] = {}
+    reason = onednn_unavailable_reason()
+    if reason is None:
+        kernels[LLMLAB_ONEDNN] = measure_packed_linear_flops_per_s
+    else:
+        skipped[LLMLAB_ONEDNN] = reason
+    return kernels, skipped
+
+
+def _rate_tuples(by_kernel: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, ...]]:
+    return {name: tuple(float(r) for r in rates) for name, rates in by_kernel.items()}
+
+
+@attrs.frozen
+class CpuMatmulRates:
+    """The model's linear-layer matmul rates at several row counts, per kernel, and the
+    best of them (:attr:`curve`).
+
+    Attributes:
+        rows: the row counts measured, increasing.
+        by_kernel: each kernel's rate at each row count: the FLOP-weighted mean over the
+            layer's projections, as if every projection ran on that kernel.
+        curve: at each row count, every projection at its fastest kernel (FLOP-weighted
+            mean): at least the best kernel's own rate there, so a floor priced with it
+            holds whichever kernel an engine runs each projection on.
+        skipped: kernels that cannot run here, with why.
+    """
+
+    rows: tuple[int, ...] = attrs.field(converter=tuple)
+    by_kernel: dict[str, tuple[float, ...]] = attrs.field(converter=_rate_tuples)
+    curve: RateCurve
+    skipped: dict[str, str] = attrs.field(factory=dict, converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.by_kernel:
+            raise ValueError("CpuMatmulRates needs at least one kernel")
+        for name, rates in self.by_kernel.items():
+            if len(rates) != len(self.rows):
+                raise ValueError(f"kernel {name!r}: {len(rates)} rates for {len(self.rows)} rows")
+        if self.curve.rows != self.rows:
+            raise ValueError(f"curve rows {self.curve.rows} != rows {self.rows}")
+
+    def fastest(self) -> tuple[str, ...]:
+        """The kernel with the best whole-layer rate at each row count."""
+        return tuple(
+            max(self.by_kernel, key=lambda name: self.by_kernel[name][i])
+            for i in range(len(self.rows))
+        )
+
+
+def _projections(shape: ModelShape) -> list[tuple[int, int]]:
+    """(inner, cols) of one layer's linears: fused q/k/v, o, the MLP's input projections
+    (gate and up fused), its output projection."""
+    h, ffn = shape.hidden_size, shape.intermediate_size
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    mlp_in = 2 * ffn if shape.gated_mlp else ffn
+    return [(h, q + 2 * kv), (q, h), (h, mlp_in), (ffn, h)]
+
+
+def measure_cpu_matmul_rates(
+    shape: ModelShape,
+    dtype: Any = "float32",
+    rows: Sequence[int] = (1, 4, 16, 64, 256, 1024, 2048),
+    trial_time_s: float = 0.02,
+    kernels: Mapping[str, MatmulKernel] | None = None,
+) -> CpuMatmulRates:
+    """The model's own linear-layer matmul rates at several row counts, for every kernel
+    (``kernels``: name -> measurement; by default :func:`cpu_matmul_kernels`, i.e.
+    ``torch.mm`` and, where oneDNN runs, llmlab's prepacked linear), each projection at its
+    best over short trials; the curve takes each projection at its fastest kernel."""
+    skipped: dict[str, str] = {}
+    if kernels is None:
+        kernels, skipped = cpu_matmul_kernels()
+    if not kernels:
+        raise ValueError("no matmul kernel to measure")
+    projections = _projections(shape)
+    by_kernel: dict[str, list[float]] = {name: [] for name in kernels}
+    best: list[float] = []
+    for m in rows:
+        seconds = {name: 0.0 for name in kernels}
+        best_seconds = flops = 0.0
+        for inner, cols in projections:
+            work = 2 * m * inner * cols
+            flops += work
+            times = {}
+            for name, measure in kernels.items():
+                rate = measure(m, inner, cols, 5, trial_time_s, dtype)
+                as_real(f"{name} rate", rate, min=0, min_inclusive=False)
+                times[name] = work / rate
+                seconds[name] += times[name]
+            best_seconds += min(times.values())
+        for name in kernels:
+            by_kernel[name].append(flops / seconds[name])
+        best.append(flops / best_seconds)
+    return CpuMatmulRates(
+        rows=tuple(rows),
+        by_kernel=by_kernel,
+        curve=RateCurve(tuple(rows), tuple(best)),
+        skipped=skipped,
+    )
 
 
 def measure_cpu_rate_curve(
@@ -99,25 +251,16 @@ def measure_cpu_rate_curve(
     dtype: Any = "float32",
     rows: Sequence[int] = (1, 4, 16, 64, 256, 1024, 2048),
     trial_time_s: float = 0.02,
+    kernels: Mapping[str, MatmulKernel] | None = None,
 ) -> RateCurve:
     """The model's own linear-layer matmul rate at several row counts: at each, the
     FLOP-weighted mean over the layer's projections (fused q/k/v, o, the MLP's input
-    projections, its output projection), each at its best over short trials."""
-    h, ffn = shape.hidden_size, shape.intermediate_size
-    q = shape.num_heads * shape.head_dim
-    kv = shape.num_kv_heads * shape.head_dim
-    mlp_in = 2 * ffn if shape.gated_mlp else ffn
-    projections = [(h, q + 2 * kv), (q, h), (h, mlp_in), (ffn, h)]
-    rates = []
-    for m in rows:
-        flops = seconds = 0.0
-        for inner, cols in projections:
-            rate = measure_matmul_flops_per_s(m, inner, cols, 5, trial_time_s, dtype)
-            work = 2 * m * inner * cols
-            flops += work
-            seconds += work / rate
-        rates.append(flops / seconds)
-    return RateCurve(tuple(rows), tuple(rates))
+    projections, its output projection), each at its fastest kernel (by default
+    ``torch.mm`` and llmlab's prepacked oneDNN linear where it runs; see
+    :func:`measure_cpu_matmul_rates`, which also keeps each kernel's own rates) and its
+    best over short trials. ``kernels={"torch.mm": measure_matmul_flops_per_s}`` gives
+    the ``torch.mm``-only curve."""
+    return measure_cpu_matmul_rates(shape, dtype, rows, trial_time_s, kernels).curve
 
 
 def measure_cpu_read_bytes_per_s(num_bytes: int = 1 << 29, num_trials: int = 7) -> float:

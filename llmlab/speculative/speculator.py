@@ -166,7 +166,7 @@ class Speculator:
             entries[d.index] = e._replace(
                 token_ids=e.token_ids + d.tokens, num_scored=1 + len(d.tokens)
             )
-        return attrs.evolve(batch, entries=tuple(entries)), drafts
+        return attrs.evolve(batch, entries=tuple(entries), columns=None), drafts
 
     def _check(self, request: DraftRequest, draft: Any, k: int) -> tuple[int, ...]:
         try:

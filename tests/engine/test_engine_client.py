@@ -55,6 +55,8 @@ NOT_IN_PROTOCOL = {
                "models, and LLM's pooling methods read it from an Engine",
     "lora": "the LoRA adapter store shared with the model runner; lora_request is the "
             "surface (data parallelism refuses enable_lora)",
+    "overlap": "overlapped scheduling's driver inside step() (None when synchronous); "
+               "each replica has its own",
 }
 
 IMPLEMENTERS = [(EngineClient, Engine), (EngineClient, DataParallelEngine),

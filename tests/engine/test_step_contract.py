@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import attrs
+import numpy as np
 import pytest
 
 from llmlab import LLM, SamplingParams, StructuredOutputsParams
@@ -135,6 +136,9 @@ def _walk(value, path, seen):
     if isinstance(value, (tuple, frozenset)):
         for i, item in enumerate(value):
             _walk(item, f"{path}[{i}]", seen)
+        return
+    if isinstance(value, np.ndarray):  # the batch's columns: read-only arrays
+        assert not value.flags.writeable, f"{path} is a writeable array"
         return
     if type(value).__name__ == "FrozenDict":
         for k, v in value.items():
