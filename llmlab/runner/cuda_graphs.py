@@ -110,13 +110,13 @@ class DecodeGraphs:
         return None
 
     def run(self, batch: ScheduledBatch, tables: BlockTables,
-            dropped: np.ndarray | None = None, sampling_rows: Any = None
+            dropped: np.ndarray | None = None, last_tokens: Any = None
             ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a pure decode batch through a graph, or None
         when this batch must run eagerly (prefill, too large, graphs disabled).
         ``tables``: the rows' block tables (the runner's, already updated by the batch);
         ``dropped``: per entry, positions its row no longer caches (a KV press), or None;
-        ``sampling_rows``: the runner's rows, whose last tokens fill placeholders."""
+        ``last_tokens``: per row, its last sampled token (fills placeholders)."""
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
@@ -134,12 +134,12 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed, running eagerly: %s", self.disabled)
                 return None
             self.captured[size] = captured
-        self._fill(batch, tables, size, dropped, sampling_rows)
+        self._fill(batch, tables, size, dropped, last_tokens)
         captured.replay()
         return captured.hidden[: len(entries)]
 
     def _fill(self, batch: ScheduledBatch, tables: BlockTables, size: int, dropped=None,
-              sampling_rows=None) -> None:
+              last_tokens=None) -> None:
         n, bs = len(batch.entries), self.block_size
         ids, pos, slot = self._ids_h.numpy(), self._pos_h.numpy(), self._slot_h.numpy()
         lens, staged = self._len_h.numpy(), self._bt_h.numpy()
@@ -149,8 +149,8 @@ class DecodeGraphs:
         # A row a KV press compacted caches ``dropped`` fewer tokens than its position.
         c = p if dropped is None else p - dropped
         ids[:n] = columns.token_ids
-        if sampling_rows is not None:
-            fill_placeholders(sampling_rows, ids[:n], rows)
+        if last_tokens is not None:
+            fill_placeholders(last_tokens, ids[:n], rows)
         pos[:n] = p
         lens[:n] = c + 1
         width = max(1, int(-(-(c.max() + 1) // bs)))

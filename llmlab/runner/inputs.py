@@ -47,13 +47,13 @@ def batch_inputs(
     if num_tokens == n:  # all decodes: one token at each start
         seq_index = np.arange(n)
         pos = start.copy()  # the batch's columns are read-only
-        fill_placeholders(runner.rows, input_ids, entry_rows)
+        fill_placeholders(runner.last_tokens, input_ids, entry_rows)
     else:
         seq_index = np.repeat(np.arange(n), lens)
         # Position of each flat token: its sequence's start plus its offset in the span.
         first = np.cumsum(lens) - lens
         pos = np.arange(num_tokens) - first[seq_index] + start[seq_index]
-        fill_placeholders(runner.rows, input_ids, entry_rows, seq_index)
+        fill_placeholders(runner.last_tokens, input_ids, entry_rows, seq_index)
     kv_pos = pos if dropped is None else pos - dropped[seq_index]
     slots = torch.from_numpy(token_slots(block_tables, seq_index, kv_pos, bs))
     dev = runner.device
@@ -88,17 +88,15 @@ def kv_offsets(plugins: Any, batch: ScheduledBatch) -> tuple[np.ndarray | None, 
     return dropped, layer_shift
 
 
-def fill_placeholders(rows: Any, input_ids: np.ndarray, entry_rows: np.ndarray,
+def fill_placeholders(last_tokens: np.ndarray, input_ids: np.ndarray, entry_rows: np.ndarray,
                       seq_index: np.ndarray | None = None) -> None:
     """Replace each :data:`~llmlab.scheduler.batch.PLACEHOLDER` in ``input_ids`` (in
-    place) with the last token its row sampled: the batch was planned while the previous
-    one ran (overlapped scheduling), and that one sampled it. ``entry_rows``: each entry's
-    row; ``seq_index``: each token's entry (None: one token per entry)."""
-    holes = np.flatnonzero(input_ids < 0)
-    for i in holes.tolist():
-        row = rows[int(entry_rows[i if seq_index is None else seq_index[i]])]
-        if row is None or not row.output_token_ids:
-            raise ValueError(
-                f"token {i} of the batch is a placeholder, but its row has sampled nothing"
-            )
-        input_ids[i] = row.output_token_ids[-1]
+    place) with the last token its row sampled (``last_tokens``, per row): the batch was
+    planned while the previous one ran (overlapped scheduling), and that one sampled it.
+    ``entry_rows``: each entry's row; ``seq_index``: each token's entry (None: one token
+    per entry). (A speculative step's tokens are not in ``last_tokens``: the engine never
+    plans ahead of one.)"""
+    holes = input_ids < 0
+    if holes.any():
+        rows = entry_rows if seq_index is None else entry_rows[seq_index]
+        input_ids[holes] = last_tokens[rows[holes]]

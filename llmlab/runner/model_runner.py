@@ -89,6 +89,7 @@ class ModelRunner(Sampling):
     # and commit the last one once this says its forward began (engine/overlap.py).
     plans_ahead = True
     forward_began: Any = attrs.field(init=False, default=None)
+    last_tokens: np.ndarray = attrs.field(init=False)  # per row, its last sampled token
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -109,6 +110,7 @@ class ModelRunner(Sampling):
                 device=self.device,
             )
         self._started = np.zeros(self.max_num_seqs, dtype=bool)
+        self.last_tokens = np.zeros(self.max_num_seqs, dtype=np.int64)
         for plugin in self.plugins:
             plugin.bind(self)
 
@@ -185,7 +187,8 @@ class ModelRunner(Sampling):
             # were captured without any slot index; a KV press keeping queries).
             dropped, layer_shift = self.kv_offsets(batch)
             if layer_shift is None:
-                hidden = self.decode_graphs.run(batch, self.block_tables, dropped, self.rows)
+                hidden = self.decode_graphs.run(batch, self.block_tables, dropped,
+                                                self.last_tokens)
         cuda = self.device.type == "cuda"
         if hidden is None:
             if self.forward_began is not None and not cuda:

@@ -186,9 +186,13 @@ class Sampling:
             sampled, failed = self._isolate(logits, sample_rows, row_ids, err)
         else:
             failed = None
+        if failed is None:  # what a PLACEHOLDER in the next batch stands for
+            self.last_tokens[row_ids] = sampled.token_ids
         for k, (row, token_id) in enumerate(zip(sample_rows, sampled.token_ids)):
             if failed is not None and failed[k] is not None:
                 continue
+            if failed is not None:
+                self.last_tokens[row_ids[k]] = token_id
             row.output_token_ids.append(token_id)
             grammar = row.grammar
             if grammar is not None and not grammar.is_terminated and not grammar.accept(token_id):

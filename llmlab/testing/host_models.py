@@ -4,9 +4,9 @@ Both keep the runner's model contract (``model(input_ids, positions, context)`` 
 hidden row per token, ``model.compute_logits(hidden)`` the logits at the rows given) and
 compute next to nothing, so a step's wall time is the engine's own Python:
 
-* :class:`NullModel`: logits at no cost (one gather from a fixed random table, keyed by
-  the token's position, so each row's greedy token varies and detokenization sees real
-  text). The host work per step is the step's wall time minus :attr:`NullModel.seconds`.
+* :class:`NullModel`: logits at no cost (a view into a fixed random table at an offset
+  that moves every call, so greedy tokens vary and detokenization sees real text). The
+  host work per step is the step's wall time minus :attr:`NullModel.seconds`.
 * :class:`FixedTimeModel`: the same logits after a forward that *sleeps* a set time. A
   sleep releases the GIL, as a GPU kernel leaves the host free while it runs, so a loop
   that plans the next step during the forward shows its overlap on a CPU: a synchronous
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-# Rows of the random logits table; a token's row is ``7 * position`` modulo this.
-_TABLE_ROWS = 4096
+# Rows of the random logits table the views start in (it holds this many more: a batch).
+_TABLE_ROWS = 1024
 
 
 class NullModel(torch.nn.Module):
@@ -35,8 +35,9 @@ class NullModel(torch.nn.Module):
     def __init__(self, vocab_size: int, seed: int = 0) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(_TABLE_ROWS, vocab_size, generator=generator)
+        self.table = torch.randn(2 * _TABLE_ROWS, vocab_size, generator=generator)
         self.seconds = 0.0
+        self._calls = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Any
                 ) -> torch.Tensor:
@@ -50,8 +51,14 @@ class NullModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        rows = (hidden.squeeze(1) * 7) % _TABLE_ROWS
-        logits = self.table.to(hidden.device)[rows]
+        n = hidden.shape[0]
+        if n > _TABLE_ROWS:
+            raise ValueError(f"NullModel serves at most {_TABLE_ROWS} rows a call, got {n}")
+        self._calls += 1
+        offset = (self._calls * 97) % _TABLE_ROWS
+        logits = self.table[offset : offset + n]
+        if logits.device != hidden.device:
+            logits = logits.to(hidden.device)
         self.seconds += time.perf_counter() - start
         return logits
 
