@@ -35,7 +35,7 @@ def batch_inputs(
     lens, start, entry_rows = columns.lens, columns.starts, columns.rows
     # A row a feature compacted (a KV press) holds fewer tokens than its positions
     # count: its KV is written and read at ``position - dropped``.
-    dropped, layer_shift = runner.kv_offsets(batch)
+    dropped, layer_shift = kv_offsets(runner.plugins, batch)
     kv_start = start if dropped is None else start - dropped
     seq_lens = kv_start + lens
     bs = runner.block_size

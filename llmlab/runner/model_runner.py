@@ -85,11 +85,11 @@ class ModelRunner(Sampling):
     speculator: Speculator | None = None
     plugins: tuple[RunnerPlugin, ...] = ()
     attention_state: Any = attrs.field(init=False, default=None)
-    # It fills PLACEHOLDER tokens from its rows: the engine may plan a batch ahead of it,
-    # and commit the last one once this says its forward began (engine/overlap.py).
+    # It fills PLACEHOLDER tokens (last_tokens: per row, its last sample), so the engine
+    # may plan ahead of it, and commit the last batch once its forward began.
     plans_ahead = True
     forward_began: Any = attrs.field(init=False, default=None)
-    last_tokens: np.ndarray = attrs.field(init=False)  # per row, its last sampled token
+    last_tokens: np.ndarray = attrs.field(init=False)
     block_tables: BlockTables = attrs.field(init=False)
     rows: list[SamplingRow | None] = attrs.field(init=False)
     param_columns: ParamColumns = attrs.field(init=False)
@@ -185,18 +185,20 @@ class ModelRunner(Sampling):
             # None: not a batch a graph serves (a prefill; rows whose layers hold different
             # token counts). A feature may ask for eager steps (LoRA adapters: the graphs
             # were captured without any slot index; a KV press keeping queries).
-            dropped, layer_shift = self.kv_offsets(batch)
+            dropped, layer_shift = kv_offsets(self.plugins, batch)
             if layer_shift is None:
                 hidden = self.decode_graphs.run(batch, self.block_tables, dropped,
                                                 self.last_tokens)
-        cuda = self.device.type == "cuda"
+        # Told when the host is free: a CPU forward holds it from its start, a CUDA one
+        # once launched (then the host waits only for the sampled tokens).
+        began, cuda = self.forward_began, self.device.type == "cuda"
         if hidden is None:
-            if self.forward_began is not None and not cuda:
-                self.forward_began()  # a CPU forward holds the host from here
+            if began is not None and not cuda:
+                began()
             hidden = self.run_model(batch, self.kv_caches, self.attention_state,
                                     contexts=contexts)
-        if self.forward_began is not None and cuda:
-            self.forward_began()  # launched: the host waits only for the sampled tokens
+        if began is not None and cuda:
+            began()
         return self._after(batch, hidden, self._sample(batch, hidden), contexts)
 
     def _after(self, batch: ScheduledBatch, hidden: torch.Tensor, output: BatchOutput,
@@ -206,11 +208,6 @@ class ModelRunner(Sampling):
         for plugin, context in zip(self.plugins, contexts, strict=True):
             output = plugin.after_forward(batch, hidden, output, context)
         return output
-
-    def kv_offsets(self, batch: ScheduledBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Per entry, positions its row no longer caches, and per layer and entry how many
-        fewer tokens that layer holds (:func:`~llmlab.runner.inputs.kv_offsets`)."""
-        return kv_offsets(self.plugins, batch)
 
     def shutdown(self) -> None:
         """Release the host KV pools (a disk tier's temporary directory is removed)."""
