@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
 from llmlab import LLM, EngineConfig, SamplingParams
@@ -277,3 +279,49 @@ def test_async_scheduling_needs_an_executor_that_fills_placeholders():
         build(True)
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         EngineConfig(model="m", async_scheduling="sometimes")
+
+
+def test_the_runner_state_equals_one_rebuilt_from_the_scheduler_after_every_step(tiny_llama):
+    """The runner keeps its rows across steps and applies only each batch's changes (rows
+    started, block tables grown or shrunk, found from the batch's columns). After every
+    step of a long randomized run (rows added, freed and reused, preempted, resumed,
+    aborted; parallel samples) its state equals what the scheduler says from scratch."""
+    prompts, params = workload(40, seed=11)
+    llm = LLM(tiny_llama, max_num_seqs=6, num_gpu_blocks_override=30, max_num_batched_tokens=32,
+              async_scheduling=False, **COMMON)
+    engine = llm.llm_engine
+    runner, sched = engine.executor, engine.scheduler
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    batches = []
+    execute = runner.execute
+    runner_execute = lambda batch: batches.append(batch) or execute(batch)  # noqa: E731
+    engine.executor = type("Recording", (), {"execute": staticmethod(runner_execute),
+                                             "__getattr__": lambda _, n: getattr(runner, n)})()
+    rng = random.Random(3)
+    steps = preempted = 0
+    while engine.has_unfinished_requests():
+        if rng.random() < 0.05 and sched.running:
+            engine.abort_request(rng.choice(sched.running).request_id.split("_")[-1])
+        engine.step()
+        steps += 1
+        preempted += sum(r.num_preemptions for r in sched.waiting)
+        running = {r.row: r for r in sched.running}
+        pending_release = set(sched._rows._released)
+        started = set(np.flatnonzero(runner._started).tolist())
+        assert set(running) <= started and started - set(running) <= pending_release
+        # The rows this step ran (a parallel sample forked in it has its row started but
+        # gets its table with its first entry, next step).
+        ran = {e.row for e in batches[-1].entries} if batches else set()
+        for row, request in running.items():
+            if row not in ran:
+                continue
+            assert runner.block_tables.table(row) == sched.kv.block_table(request.request_id)
+            state = runner.rows[row]
+            assert state.request_id == request.request_id
+            assert state.output_token_ids == request.output_token_ids
+            if request.output_token_ids and request.num_computed_tokens == request.num_tokens - 1:
+                # decoding: what a placeholder of its next entry would stand for
+                assert runner.last_tokens[row] == request.output_token_ids[-1]
+    assert steps > 50 and preempted, (steps, preempted)
+    assert_clean(engine)
