@@ -140,7 +140,7 @@ class Scheduler(Running, Admitting, Lifecycle):
 
     def schedule(self, now: float, ahead_of: ScheduledBatch | None = None) -> ScheduledBatch:
         """The next batch; ``ahead_of``: one still running, uncommitted (its spans count as
-        computed, its samples as :data:`~llmlab.scheduler.batch.PLACEHOLDER`\ s)."""
+        computed, each of its samples as a :data:`~llmlab.scheduler.batch.PLACEHOLDER`)."""
         self._now = now
         if ahead_of is not None:
             self._mark_ahead(ahead_of)
