@@ -325,3 +325,49 @@ def test_the_runner_state_equals_one_rebuilt_from_the_scheduler_after_every_step
                 assert runner.last_tokens[row] == request.output_token_ids[-1]
     assert steps > 50 and preempted, (steps, preempted)
     assert_clean(engine)
+
+
+def test_streams_through_the_async_engine_match(tiny_llama):
+    """The server's path: AsyncEngine's loop thread steps an overlapped engine; DELTA
+    streams add up to the synchronous text, and a stream closed early aborts its request
+    without disturbing the others."""
+    import asyncio
+    import time
+
+    from llmlab.entrypoints.async_engine import AsyncEngine
+    from llmlab.sampling.params import RequestOutputKind
+
+    prompts = ["the cat sat on the mat", "hello world hello", "one two three four", "a b c"]
+
+    def streams(overlapped: bool):
+        engine = AsyncEngine.from_settings(tiny_llama, async_scheduling=overlapped, **COMMON)
+
+        async def one(i, prompt):
+            params = SamplingParams(temperature=0.0, max_tokens=16 + i, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            text, ids = "", []
+            async for out in engine.generate(prompt, params, request_id=f"r{i}"):
+                text += out.outputs[0].text
+                ids += out.outputs[0].token_ids
+                if i == 3 and len(ids) >= 5:
+                    break  # closes the stream: aborts the request
+            return text, ids
+
+        async def main():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        try:
+            results = asyncio.run(main())
+            inner = engine.engine
+            for _ in range(200):  # the loop thread frees the aborted request's blocks
+                if not inner.has_unfinished_requests():
+                    break
+                time.sleep(0.01)
+            assert_clean(inner)
+            return results
+        finally:
+            engine.shutdown()
+
+    sync, overlapped = streams(False), streams(True)
+    assert overlapped[:3] == sync[:3]
+    assert overlapped[3][1][:5] == sync[3][1][:5]
