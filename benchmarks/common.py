@@ -25,6 +25,8 @@ import attrs
 # The model arithmetic, the rate curve and the rate measurements live in the library (the
 # simulator's roofline cost model prices steps with them); re-exported here under their old
 # names (a redundant alias marks a re-export).
+from llmlab.sim.measure import CpuMatmulRates as CpuMatmulRates
+from llmlab.sim.measure import measure_cpu_matmul_rates as measure_cpu_matmul_rates
 from llmlab.sim.measure import measure_cpu_rate_curve as measure_cpu_rate_curve
 from llmlab.sim.measure import measure_cpu_read_bytes_per_s as measure_cpu_read_bytes_per_s
 from llmlab.sim.measure import measure_cuda_copy_bytes_per_s as measure_cuda_copy_bytes_per_s

@@ -49,8 +49,14 @@ steps, from its ``StepEvent``, the larger of its bytes (every weight once, the K
 attention reads, the K/V its new tokens write) over the measured main-memory read
 bandwidth, and its FLOPs over the matmul rate measured at that step's row count on the
 model's own projections (``benchmarks.common.RateCurve``: a 4-row decode step cannot
-reach a 2,048-row prefill's rate). llmlab's fraction is the sum of the floors over its
-wall time.
+reach a 2,048-row prefill's rate). The rate at each row count is the fastest kernel this
+machine has for each projection: ``torch.mm`` and llmlab's own prepacked oneDNN linear (what
+the engine's linears run on; skipped, and said so, where this torch build has no oneDNN),
+each kernel's own rates printed beside it (``benchmarks.common.measure_cpu_matmul_rates``).
+Both rates are measured before the timed runs and again after them, and each point keeps
+the better of the two (other processes on the machine only ever make a measurement low).
+llmlab's fraction is the sum of the floors over its wall time; a fraction above 100% means
+the floor is wrong (an engine beat it), and the benchmark fails instead of printing it.
 
 Host work per decode step (CPU): everything a decode step does but the model math, at 64
 running sequences; the target is <= 1.0 ms (issue 23). A short second llmlab pass after the
@@ -156,7 +162,7 @@ from benchmarks.common import (
     cuda_matmul_shapes,
     device_busy_us,
     make_workload,
-    measure_cpu_rate_curve,
+    measure_cpu_matmul_rates,
     measure_cpu_read_bytes_per_s,
     measure_cuda_copy_bytes_per_s,
     measure_cuda_matmul_flops_per_s,
@@ -1163,12 +1169,28 @@ def print_summary(results: dict[str, RunResult], floor: dict) -> None:
 
 def print_cpu_roofline(results: dict[str, RunResult], rates: dict, line: dict | None) -> None:
     print("\n== per-step roofline (llmlab's steps, from its StepEvents)")
-    print(f"read bandwidth: {rates['read_bytes_per_s'] / 1e9:.1f} GB/s (sum of 512 MiB, best of 7)")
-    points = ", ".join(
-        f"{rows}: {rate / 1e9:.0f}"
-        for rows, rate in zip(rates["matmul_rows"], rates["matmul_flops_per_s"], strict=True)
+    print(
+        f"read bandwidth: {rates['read_bytes_per_s'] / 1e9:.1f} GB/s (sum of 512 MiB, best of 7, "
+        "before and after the runs)"
     )
-    print(f"matmul GFLOP/s by rows (the model's projections): {points}")
+    def points(flops_per_s) -> str:
+        return ", ".join(
+            f"{rows}: {rate / 1e9:.0f}"
+            for rows, rate in zip(rates["matmul_rows"], flops_per_s, strict=True)
+        )
+
+    print(
+        "matmul GFLOP/s by rows (the model's projections), per kernel, best of a measurement "
+        "before and one after the runs:"
+    )
+    for name, kernel_rates in rates.get("matmul_flops_per_s_by_kernel", {}).items():
+        print(f"  {name}: {points(kernel_rates)}")
+    for name, reason in rates.get("matmul_kernels_skipped", {}).items():
+        print(f"  {name}: skipped ({reason})")
+    print(
+        f"  roofline rate (each projection at its fastest kernel): "
+        f"{points(rates['matmul_flops_per_s'])}"
+    )
     if line is None or "llmlab" not in results:
         print("no llmlab run: no roofline")
         return
@@ -1182,7 +1204,42 @@ def print_cpu_roofline(results: dict[str, RunResult], rates: dict, line: dict | 
         f"decode steps: floor {line['decode_floor_s']:.2f} s vs wall {line['decode_wall_s']:.2f} s;"
         f" other steps: floor {line['other_floor_s']:.2f} s vs wall {line['other_wall_s']:.2f} s"
     )
-    print(f"llmlab achieves {line['total_s'] / wall:.1%} of the per-step roofline")
+    fraction = roofline_fraction(line["total_s"], wall)
+    print(f"llmlab achieves {fraction:.1%} of the per-step roofline")
+
+
+def cpu_rates_report(matmul, read_bytes_per_s: float) -> dict:
+    """The CPU rates the roofline used, JSON-able (``extras["cpu_rates"]``)."""
+    return {
+        "read_bytes_per_s": read_bytes_per_s,
+        "matmul_rows": list(matmul.rows),
+        "matmul_flops_per_s": list(matmul.curve.flops_per_s),
+        "matmul_flops_per_s_by_kernel": {name: list(r) for name, r in matmul.by_kernel.items()},
+        "matmul_fastest_kernel": list(matmul.fastest()),
+        "matmul_kernels_skipped": dict(matmul.skipped),
+    }
+
+
+class RooflineBeatenError(RuntimeError):
+    """A measured run took less time than its roofline: the floor is not a floor."""
+
+
+def roofline_fraction(floor_s: float, wall_s: float) -> float:
+    """``floor_s / wall_s``, the fraction of the roofline a run reaches; raises
+    :class:`RooflineBeatenError` above 1: a run faster than its floor means the floor
+    priced something too slowly (a matmul rate below a kernel the engine runs, a bandwidth
+    measured low), and a number above 100% would be reported as if it meant something."""
+    if wall_s <= 0:
+        raise ValueError(f"wall time must be > 0, got {wall_s}")
+    fraction = floor_s / wall_s
+    if fraction > 1:
+        raise RooflineBeatenError(
+            f"llmlab ran in {wall_s:.3f} s, under its per-step roofline of {floor_s:.3f} s "
+            f"({fraction:.1%} of it): the roofline is not a floor. A rate it uses is too "
+            "low: the matmul rate (is a faster kernel than those measured running?) or the "
+            "read bandwidth."
+        )
+    return fraction
 
 
 def print_cpu_decode_split(line: dict | None, decode: dict | None) -> None:
@@ -1367,18 +1424,15 @@ def main(argv: list[str] | None = None) -> None:
             )
 
         extras: dict = {}
+        beaten: RooflineBeatenError | None = None
         if cuda:
             rates = measure_device_rates(shape, args)
             extras["device_rates"] = rates
         else:
             extras["floor"] = measure_floor(model_dir, workload, dtype)
-            curve = measure_cpu_rate_curve(shape, dtype)
-            rates = {"copy_bytes_per_s": measure_cpu_read_bytes_per_s(), "curve": curve}
-            extras["cpu_rates"] = {
-                "read_bytes_per_s": rates["copy_bytes_per_s"],
-                "matmul_rows": list(curve.rows),
-                "matmul_flops_per_s": list(curve.flops_per_s),
-            }
+            # Measured again after the runs; the roofline takes the better of the two.
+            matmul = measure_cpu_matmul_rates(shape, dtype)
+            read_bytes_per_s = measure_cpu_read_bytes_per_s()
         report: dict = {}
         results = {}
         for mode in args.modes:
@@ -1404,6 +1458,10 @@ def main(argv: list[str] | None = None) -> None:
             print_cuda_report(results, rates, line, extras["decode_split"])
         else:
             print_summary(results, extras["floor"])
+            matmul = matmul.best_of(measure_cpu_matmul_rates(shape, dtype))
+            read_bytes_per_s = max(read_bytes_per_s, measure_cpu_read_bytes_per_s())
+            rates = {"copy_bytes_per_s": read_bytes_per_s, "curve": matmul.curve}
+            extras["cpu_rates"] = cpu_rates_report(matmul, read_bytes_per_s)
             line = None
             if "llmlab_events" in report:
                 line = compute_roofline(
@@ -1411,13 +1469,19 @@ def main(argv: list[str] | None = None) -> None:
                 )
             extras["roofline"] = line
             extras["decode_split"] = report.get("decode_split")
-            print_cpu_roofline(results, extras["cpu_rates"], line)
+            try:
+                print_cpu_roofline(results, extras["cpu_rates"], line)
+            except RooflineBeatenError as err:  # fail at the end, with the rest reported
+                print(f"ROOFLINE BEATEN: {err}", flush=True)
+                beaten = err
             print_cpu_decode_split(line, extras["decode_split"])
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
     if args.json:
         write_json(args.json, args, workload, results, extras)
         print(f"wrote {args.json}")
+    if beaten is not None:
+        raise beaten
 
 
 def write_json(path: pathlib.Path, args, workload: Workload, results: dict, extras: dict) -> None:

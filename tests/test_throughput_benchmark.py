@@ -20,6 +20,7 @@ from benchmarks.common import (
     StepWork,
     checkpoint_numel,
     device_busy_us,
+    measure_cpu_matmul_rates,
     measure_cpu_rate_curve,
     measure_cpu_read_bytes_per_s,
     roofline,
@@ -222,6 +223,116 @@ def test_rate_curves_are_checked_and_measured_on_the_models_shapes():
     curve = measure_cpu_rate_curve(shape, rows=(1, 64), trial_time_s=0.002)
     assert curve.rows == (1, 64) and all(r > 0 for r in curve.flops_per_s)
     assert measure_cpu_read_bytes_per_s(num_bytes=1 << 22, num_trials=2) > 0
+
+
+SMALL_SHAPE = ModelShape(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, vocab_size=100,
+)  # fmt: skip
+# One layer's projections (inner, cols): fused q/k/v, o, gate+up, down.
+SMALL_PROJECTIONS = [(64, 128), (64, 64), (64, 256), (128, 64)]
+
+
+def _fake_rate(base: float, fast_inner: int | None = None):
+    """A stand-in kernel measurement: ``base * rows`` FLOP/s, 4x that on projections of
+    width ``fast_inner`` (so two kernels can each win some projections)."""
+
+    def measure(rows, inner, cols, num_trials, trial_time_s, dtype):
+        return base * rows * (4.0 if inner == fast_inner else 1.0)
+
+    return measure
+
+
+def _weighted_rate(rows: int, rate_of) -> float:
+    flops = sum(2 * rows * k * n for k, n in SMALL_PROJECTIONS)
+    return flops / sum(2 * rows * k * n / rate_of(k) for k, n in SMALL_PROJECTIONS)
+
+
+def test_the_rate_curve_takes_each_projection_at_its_fastest_kernel():
+    kernels = {"slow": _fake_rate(1e9), "packed": _fake_rate(2e9, fast_inner=128),
+               "other": _fake_rate(3e9)}  # fmt: skip
+    got = measure_cpu_matmul_rates(SMALL_SHAPE, rows=(1, 4), kernels=kernels)
+    assert got.rows == (1, 4) and got.skipped == {}
+    for rows, i in ((1, 0), (4, 1)):
+        assert got.by_kernel["slow"][i] == pytest.approx(1e9 * rows)
+        assert got.by_kernel["other"][i] == pytest.approx(3e9 * rows)
+        packed = _weighted_rate(rows, lambda k, r=rows: 2e9 * r * (4 if k == 128 else 1))
+        assert got.by_kernel["packed"][i] == pytest.approx(packed)
+        # "other" wins the 64-wide projections, "packed" (8e9 * rows) the 128-wide ones: the
+        # curve beats every kernel's own whole-layer rate.
+        best = _weighted_rate(rows, lambda k, r=rows: (8e9 if k == 128 else 3e9) * r)
+        assert got.curve.flops_per_s[i] == pytest.approx(best)
+        assert best > max(got.by_kernel[name][i] for name in kernels)
+    assert got.fastest() == ("other", "other")
+    # measure_cpu_rate_curve is that curve.
+    curve = measure_cpu_rate_curve(SMALL_SHAPE, rows=(1, 4), kernels=kernels)
+    assert curve == got.curve
+    # Two measurements (before and after the benchmark's runs): each point at the higher.
+    again = measure_cpu_matmul_rates(
+        SMALL_SHAPE, rows=(1, 4), kernels={name: _fake_rate(2.5e9) for name in kernels}
+    )
+    both = got.best_of(again)
+    assert both.by_kernel["slow"] == pytest.approx((2.5e9, 10e9))
+    assert both.by_kernel["other"] == got.by_kernel["other"]
+    assert both.curve.flops_per_s == got.curve.flops_per_s
+    with pytest.raises(ValueError, match="same kernels"):
+        got.best_of(measure_cpu_matmul_rates(SMALL_SHAPE, rows=(1,), kernels=kernels))
+
+
+def test_the_default_rate_curve_includes_llmlabs_packed_linear(monkeypatch):
+    """By default the curve is the best of torch.mm and the engine's own oneDNN linear (a
+    torch.mm-only curve was beaten by llmlab: 121% of the roofline)."""
+    from llmlab.kernels import cpu_linear
+    from llmlab.sim import measure
+
+    monkeypatch.setattr(cpu_linear, "onednn_unavailable_reason", lambda: None)
+    monkeypatch.setattr(measure, "measure_matmul_flops_per_s", _fake_rate(1e9))
+    monkeypatch.setattr(measure, "measure_packed_linear_flops_per_s", _fake_rate(5e9))
+    got = measure_cpu_matmul_rates(SMALL_SHAPE, rows=(1, 16))
+    assert set(got.by_kernel) == {measure.TORCH_MM, measure.LLMLAB_ONEDNN}
+    assert got.curve.flops_per_s == pytest.approx((5e9, 16 * 5e9))
+    assert got.fastest() == (measure.LLMLAB_ONEDNN,) * 2
+    assert measure_cpu_rate_curve(SMALL_SHAPE, rows=(1, 16)).peak == pytest.approx(16 * 5e9)
+
+    # A torch without oneDNN: torch.mm alone, and the skipped kernel says why.
+    monkeypatch.setattr(cpu_linear, "onednn_unavailable_reason", lambda: "no oneDNN here")
+    got = measure_cpu_matmul_rates(SMALL_SHAPE, rows=(1, 16))
+    assert set(got.by_kernel) == {measure.TORCH_MM}
+    assert got.skipped == {measure.LLMLAB_ONEDNN: "no oneDNN here"}
+    assert got.curve.flops_per_s == pytest.approx((1e9, 16e9))
+
+
+def test_the_packed_linear_rate_runs_the_engines_kernel():
+    from llmlab.kernels.cpu_linear import onednn_unavailable_reason
+    from llmlab.sim.measure import measure_packed_linear_flops_per_s
+
+    if onednn_unavailable_reason() is not None:
+        pytest.skip(onednn_unavailable_reason())
+    assert measure_packed_linear_flops_per_s(3, 64, 96, num_trials=2, trial_time_s=0.001) > 0
+
+
+def test_a_run_faster_than_its_roofline_fails(capsys):
+    assert throughput.roofline_fraction(0.5, 1.0) == 0.5
+    assert throughput.roofline_fraction(1.0, 1.0) == 1.0
+    with pytest.raises(throughput.RooflineBeatenError, match=r"121\.0% of it.*not a floor"):
+        throughput.roofline_fraction(1.21, 1.0)
+    rates = {
+        "read_bytes_per_s": 1e10, "matmul_rows": [1, 64], "matmul_flops_per_s": [2e9, 9e10],
+        "matmul_flops_per_s_by_kernel": {"torch.mm": [1e9, 6e10], "llmlab oneDNN linear":
+                                         [2e9, 9e10]},
+        "matmul_kernels_skipped": {},
+    }  # fmt: skip
+    line = {"total_s": 1.21, "num_steps": 3, "memory_bound_steps": 1, "decode_floor_s": 0.2,
+            "decode_wall_s": 0.3, "other_floor_s": 1.01, "other_wall_s": 0.7}  # fmt: skip
+    result = throughput.RunResult("llmlab", 1.0, 10, 10, 20)
+    with pytest.raises(throughput.RooflineBeatenError):
+        throughput.print_cpu_roofline({"llmlab": result}, rates, line)
+    # Under the floor's time it prints the fraction, and each kernel's rates beside it.
+    throughput.print_cpu_roofline({"llmlab": attrs.evolve(result, wall_s=2.0)}, rates, line)
+    text = capsys.readouterr().out
+    assert "llmlab achieves 60.5% of the per-step roofline" in text
+    assert "  torch.mm: 1: 1, 64: 60" in text and "  llmlab oneDNN linear: 1: 2, 64: 90" in text
+    assert "each projection at its fastest kernel): 1: 2, 64: 90" in text
 
 
 @attrs.define

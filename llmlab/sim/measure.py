@@ -185,6 +185,24 @@ class CpuMatmulRates:
         if self.curve.rows != self.rows:
             raise ValueError(f"curve rows {self.curve.rows} != rows {self.rows}")
 
+    def best_of(self, other: CpuMatmulRates) -> CpuMatmulRates:
+        """Each rate at the higher of two measurements of the same kernels at the same
+        rows (other processes sharing the machine only ever make a measurement low, so the
+        higher is the closer to the kernel's peak)."""
+        if other.rows != self.rows or set(other.by_kernel) != set(self.by_kernel):
+            raise ValueError("best_of needs measurements of the same kernels at the same rows")
+        return CpuMatmulRates(
+            rows=self.rows,
+            by_kernel={
+                name: tuple(map(max, rates, other.by_kernel[name]))
+                for name, rates in self.by_kernel.items()
+            },
+            curve=RateCurve(
+                self.rows, tuple(map(max, self.curve.flops_per_s, other.curve.flops_per_s))
+            ),
+            skipped=self.skipped,
+        )
+
     def fastest(self) -> tuple[str, ...]:
         """The kernel with the best whole-layer rate at each row count."""
         return tuple(
