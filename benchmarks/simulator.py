@@ -43,9 +43,21 @@ amplifies it); and, for every real run, a replay (``ReplayCostModel``: each simu
 ends when the real one did) whose decisions are compared with the real ones: per-request
 output tokens, admission order, preemptions, prefix-hit blocks, steps.
 
+Overlapped (on by default; ``--no-overlap`` skips it): a second real engine with
+``async_scheduling=True`` (the engine thread schedules and commits while an executor thread
+runs the batch; on a CPU torch releases the GIL inside its kernels), warmed up alike, runs
+the same draws, each right after the synchronous run of the same workload. The simulator
+prices those steps overlapped (``max(device, hidden host) + unhidden host``): the profiled
+model (fitted on the synchronous calibration runs) given the host term (``HostCost``: this
+machine's defaults from ``benchmarks.host_overhead``, or ``--host-overhead PATH`` for that
+benchmark's ``--json``), and both rooflines; "as sync" is the profiled model priced
+synchronously, as the simulator did before it learned overlap. No replay there: the
+simulated engine steps synchronously, so its decisions are not the overlapped engine's.
+
     python -m benchmarks.simulator                      # speed, sweeps and accuracy
     python -m benchmarks.simulator speed --full         # adds 10^6 requests
     python -m benchmarks.simulator accuracy --repeats 5 --threads 1
+    python -m benchmarks.simulator accuracy --host-overhead host.json   # its host term
     python -m benchmarks.simulator profile
     python -m benchmarks.simulator --json results.json
 """
@@ -67,6 +79,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from llmlab.experiments.comparison import run_workload, workload_params
@@ -359,11 +372,12 @@ def _real_run(engine, workload: Workload) -> dict:
             "events": list(trace.events)}
 
 
-def _simulated(workload: Workload, settings: Mapping[str, Any], **cost: Any) -> dict:
+def _simulated(workload: Workload, settings: Mapping[str, Any]) -> dict:
+    """``settings``: the engine's and the cost model's (``cost_model``, ``hardware``)."""
     from llmlab.builtin import builtin_model_path
 
-    overall = simulate(workload, model=builtin_model_path(), progress=False, **settings,
-                       **cost).overall
+    overall = simulate(workload, model=builtin_model_path(), progress=False,
+                       **settings).overall
     return {m: float(overall[m]) for m in (*ACCURACY_METRICS, "prefix_hit_rate",
                                            "num_preemptions")}
 
@@ -417,7 +431,8 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
              calibration: Workload | None = None,
              targets: Mapping[str, Workload] | None = None,
              warmup: Workload | None = None, short_warmup: Workload | None = None,
-             settings: Mapping[str, Any] = ACCURACY_SETTINGS, verbose: bool = True) -> dict:
+             settings: Mapping[str, Any] = ACCURACY_SETTINGS, overlap: bool = True,
+             host: Any = None, verbose: bool = True) -> dict:
     """Calibrate ``profiled`` on the calibration workload's recorded runs, predict the
     others; the fit on the first recording alone, and the roofline, alongside.
 
@@ -426,8 +441,13 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
     which no steady engine does). Repeat ``r`` draws every workload with its own seed, so
     no run finds an earlier run's prompts in the prefix cache; each (workload, seed) is
     simulated once, and real and simulated means over the repeats are compared. Given
-    workloads (tests) are used as they are for every repeat."""
-    from llmlab.sim import ProfiledCostModel
+    workloads (tests) are used as they are for every repeat. ``overlap``: also run every
+    draw on an engine with ``async_scheduling=True`` and compare the simulator's overlapped
+    prices (``out["overlapped"]``); ``host``: the :class:`~llmlab.sim.HostCost` those use
+    (default: ``HostCost()``, this machine's ``benchmarks.host_overhead`` numbers)."""
+    from llmlab.sim import HostCost, ProfiledCostModel
+
+    host = host if host is not None else HostCost()
 
     def draw(repeat: int) -> dict[str, Workload]:
         if calibration is not None or targets is not None:
@@ -441,43 +461,101 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
     short_warmup = short_warmup if short_warmup is not None else calibration_workload(
         16, seed=102, rate=None)
     drawn = [draw(r) for r in range(repeats + 1)]  # the first: the recorded calibration
+    loops = {"sync": dict(settings)}
+    if overlap:
+        loops["overlap"] = {**settings, "async_scheduling": True}
 
-    engine = _real_engine(settings, threads)
-    run_workload(engine, warmup, keep_events=False)
-    run_workload(engine, short_warmup, keep_events=False)
-    for workload in target_workloads(seed=1000).values():  # every shape, other prompts
-        run_workload(engine, workload, keep_events=False)
-    recorded = _real_run(engine, drawn[0]["calibration"])
-    names = list(drawn[0])
+    def warmed(loop: str, short: bool):
+        engine = _real_engine(loops[loop], threads)
+        if short:
+            run_workload(engine, short_warmup, keep_events=False)
+            return engine
+        run_workload(engine, warmup, keep_events=False)
+        run_workload(engine, short_warmup, keep_events=False)
+        for workload in target_workloads(seed=1000).values():  # every shape, other prompts
+            run_workload(engine, workload, keep_events=False)
+        return engine
+
     # Given workloads repeat their prompts: each run then needs an empty prefix cache, so
     # a fresh engine (after a short warm-up); drawn ones differ and share the warm engine.
     fresh = calibration is not None or targets is not None
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for r in range(repeats):  # interleaved: load drift hits every workload alike
+    engines = {loop: warmed(loop, short=False) for loop in loops
+               if loop == "sync" or not fresh}
+    recorded = _real_run(engines["sync"], drawn[0]["calibration"])
+    names = list(drawn[0])
+    runs: dict[str, dict[str, list[dict]]] = {loop: {n: [] for n in names} for loop in loops}
+    for r in range(repeats):  # interleaved: load drift hits every workload and loop alike
         for name in names:
-            if fresh:
-                engine = _real_engine(settings, threads)
-                run_workload(engine, short_warmup, keep_events=False)
-            runs[name].append(_real_run(engine, drawn[r + 1][name]))
-    del engine
+            for loop in loops:
+                if not fresh:
+                    runs[loop][name].append(_real_run(engines[loop], drawn[r + 1][name]))
+                    continue
+                engine = warmed(loop, short=True)
+                runs[loop][name].append(_real_run(engine, drawn[r + 1][name]))
+                engine.shutdown()
+    for engine in engines.values():
+        engine.shutdown()
+    del engines
     # This machine's load moves step times from one run to the next, so the main fit
     # pools every recording of the calibration workload (as the real figures are means
     # over runs); the fit on the first recording alone shows what one run gives.
     one = ProfiledCostModel.fit(recorded["events"])
-    pooled = ProfiledCostModel.fit(
-        [e for r in [recorded, *runs["calibration"]] for e in r["events"]])
+    calibration_events = [e for r in [recorded, *runs["sync"]["calibration"]]
+                          for e in r["events"]]
+    pooled = ProfiledCostModel.fit(calibration_events)
     out: dict[str, Any] = {"settings": dict(settings), "threads": threads, "repeats": repeats,
                            "profiled": pooled.describe(), "profiled_one_run": one.describe(),
-                           "profiled_steps": pooled.num_steps, "workloads": {}}
+                           "profiled_steps": pooled.num_steps,
+                           "host": attrs.asdict(host), "workloads": {}}
     from llmlab.builtin import builtin_model_path
     from llmlab.sim import RooflineCostModel
 
-    roofline_host = RooflineCostModel.for_model(
-        str(builtin_model_path()), hardware="this_machine", dtype=settings["dtype"]
-    ).fit_host([e for r in [recorded, *runs["calibration"]] for e in r["events"]])
+    roofline = RooflineCostModel.for_model(
+        str(builtin_model_path()), hardware="this_machine", dtype=settings["dtype"], host=host)
+    roofline_host = roofline.fit_host(calibration_events)
     models = {"profiled": {"cost_model": pooled}, "profiled_one_run": {"cost_model": one},
-              "roofline": {"cost_model": "roofline", "hardware": "this_machine"},
+              "roofline": {"cost_model": roofline},
               "roofline_host": {"cost_model": roofline_host}}
+    out["workloads"] = _accuracy_rows(names, drawn, runs["sync"], models, settings, repeats,
+                                      pooled)
+    for name, row in out["workloads"].items():
+        row["replay"] = [replay_check(runs["sync"][name][r], drawn[r + 1][name], settings)
+                         for r in range(repeats)]
+    if overlap:
+        overlapped = attrs.evolve(pooled, host=host)
+        models = {"profiled": {"cost_model": overlapped},
+                  "profiled_as_sync": {"cost_model": pooled, "async_scheduling": False},
+                  "roofline": {"cost_model": roofline},
+                  "roofline_host": {"cost_model": roofline_host}}
+        out["overlapped"] = {"workloads": _accuracy_rows(
+            names, drawn, runs["overlap"], models, loops["overlap"], repeats,
+            attrs.evolve(overlapped, overlap=True), step_baseline=pooled)}
+    out["recorded_calibration"] = {m: recorded["metrics"][m] for m in ACCURACY_METRICS}
+    if verbose:
+        print(f"\n== accuracy: built-in model, {_settings_text(settings)}, cpu_threads={threads}; "
+              f"{repeats} real runs per workload; profiled fitted on {pooled.num_steps} steps of "
+              f"{repeats + 1} calibration runs ('1 run': on {one.num_steps} steps of the first)")
+        _print_accuracy(out)
+        if overlap:
+            print(f"\n== accuracy, overlapped: the same draws on an engine with "
+                  f"async_scheduling=True, priced max(device, hidden host) + unhidden host; "
+                  f"host term {_host_text(host)}")
+            _print_overlapped(out["overlapped"])
+    return out
+
+
+def _host_text(host) -> str:
+    return (f"engine thread {host.per_step_s * 1e6:.0f} us + {host.per_request_s * 1e6:.1f} "
+            f"us/request, executor thread {host.executor_per_step_s * 1e6:.0f} us + "
+            f"{host.executor_per_request_s * 1e6:.1f} us/request")
+
+
+def _accuracy_rows(names, drawn, runs, models, settings, repeats, step_model,
+                   step_baseline=None) -> dict:
+    """Per workload: the real runs' metrics, their mean and spread, and each model's
+    simulated means and signed errors; ``step_model``'s error on the real steps (and
+    ``step_baseline``'s, when given)."""
+    rows = {}
     for name in names:
         values = {m: [r["metrics"][m] for r in runs[name]] for m in ACCURACY_METRICS}
         real = {m: float(np.mean(v)) for m, v in values.items()}
@@ -489,23 +567,18 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
                             for m, v in values.items()},
         }
         for label, cost in models.items():
-            simulated_runs = [_simulated(drawn[r + 1][name], settings, **cost)
+            simulated_runs = [_simulated(drawn[r + 1][name], {**settings, **cost})
                               for r in range(repeats)]
             simulated = {m: float(np.mean([s[m] for s in simulated_runs]))
                          for m in ACCURACY_METRICS}
             row[label] = simulated
             row[f"{label}_error"] = errors(real, simulated)
-        row["step_time_error"] = step_time_error(pooled, [r["events"] for r in runs[name]])
-        row["replay"] = [replay_check(runs[name][r], drawn[r + 1][name], settings)
-                         for r in range(repeats)]
-        out["workloads"][name] = row
-    out["recorded_calibration"] = {m: recorded["metrics"][m] for m in ACCURACY_METRICS}
-    if verbose:
-        print(f"\n== accuracy: built-in model, {_settings_text(settings)}, cpu_threads={threads}; "
-              f"{repeats} real runs per workload; profiled fitted on {pooled.num_steps} steps of "
-              f"{repeats + 1} calibration runs ('1 run': on {one.num_steps} steps of the first)")
-        _print_accuracy(out)
-    return out
+        row["step_time_error"] = step_time_error(step_model, [r["events"] for r in runs[name]])
+        if step_baseline is not None:
+            row["step_time_error_baseline"] = step_time_error(
+                step_baseline, [r["events"] for r in runs[name]])
+        rows[name] = row
+    return rows
 
 
 def step_time_error(cost, runs_events) -> dict[str, dict[str, float]]:
@@ -561,6 +634,32 @@ def _print_accuracy(out: dict) -> None:
                   f"{worst:.2e})")
 
 
+def _print_overlapped(out: dict) -> None:
+    print(f"{'workload':<19} {'metric':<12} {'real ms':>8} {'spread':>7} {'profiled':>9} "
+          f"{'error':>7} {'as sync':>7} {'roofline':>9} {'error':>7} {'+host':>7}")
+    for name, w in out["workloads"].items():
+        for m in ACCURACY_METRICS:
+            print(f"{name:<19} {m:<12} {w['real_mean'][m] * 1e3:>8.1f} "
+                  f"{w['real_spread'][m]:>7.1%} {w['profiled'][m] * 1e3:>9.1f} "
+                  f"{w['profiled_error'][m]:>+7.1%} {w['profiled_as_sync_error'][m]:>+7.1%} "
+                  f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%} "
+                  f"{w['roofline_host_error'][m]:>+7.1%}")
+    for model in ("profiled", "profiled_as_sync", "roofline", "roofline_host"):
+        cells = [abs(w[f"{model}_error"][m]) for name, w in out["workloads"].items()
+                 if name != "calibration" for m in ACCURACY_METRICS]
+        within = sum(e <= 0.05 for e in cells)
+        print(f"{model}: {within} of {len(cells)} target cells within 5%, "
+              f"largest |error| {max(cells):.1%}")
+    print("profiled step time on the real overlapped runs' own steps (measured mean, the "
+          "model's error priced overlapped / as sync):")
+    for name, w in out["workloads"].items():
+        cells = "  ".join(
+            f"{regime} {c['num_steps']} steps {c['measured_mean_s'] * 1e3:.2f} ms "
+            f"{c['error']:+.1%} / {w['step_time_error_baseline'][regime]['error']:+.1%}"
+            for regime, c in w["step_time_error"].items())
+        print(f"  {name:<19} {cells}")
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -578,6 +677,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="real runs per workload")
     parser.add_argument("--threads", type=int, default=1,
                         help="the real engine's cpu_threads (0: llmlab's default)")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false",
+                        help="accuracy: skip the overlapped (async_scheduling=True) runs")
+    parser.add_argument("--host-overhead", nargs="+", metavar="PATH",
+                        help="accuracy: the host term from benchmarks.host_overhead --json "
+                        "files (default: HostCost(), this machine's numbers)")
     parser.add_argument("--json", metavar="PATH", help="write every number here")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes] + ([10**6] if args.full else [])
@@ -594,7 +698,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "profile":
         results["profile"] = profile(rate=args.rate, hardware=args.hardware)
     if args.what in ("all", "accuracy"):
-        results["accuracy"] = accuracy(repeats=args.repeats, threads=args.threads or None)
+        from llmlab.sim import HostCost
+
+        host = HostCost.from_host_overhead(*args.host_overhead) if args.host_overhead else None
+        results["accuracy"] = accuracy(repeats=args.repeats, threads=args.threads or None,
+                                       overlap=args.overlap, host=host)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:

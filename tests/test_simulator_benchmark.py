@@ -82,3 +82,15 @@ def test_accuracy_on_tiny_workloads_reports_every_metric_and_replays_the_decisio
         assert check["identical"], (name, check["differences"])
         assert check["summary"]["num_admissions"] == w["num_requests"]
     assert out["workloads"]["few_shot"]["replay"][0]["summary"]["prefix_hit_blocks"] > 0
+    # The same draws on an overlapped engine, priced overlapped (and as sync, for contrast).
+    assert set(out["overlapped"]["workloads"]) == set(out["workloads"])
+    for name, w in out["overlapped"]["workloads"].items():
+        for key in ("real_mean", "profiled", "profiled_error", "profiled_as_sync",
+                    "profiled_as_sync_error", "roofline_error", "roofline_host_error"):
+            assert set(w[key]) == set(ACCURACY_METRICS), (name, key)
+            assert finite(w[key].values()), (name, key, w[key])
+        assert all(len(v) == 1 for v in w["real_runs"].values())
+        for regime in ("decode", "prefill"):
+            assert set(w["step_time_error_baseline"][regime]) == {
+                "num_steps", "measured_mean_s", "error"}
+    assert set(out["host"]) >= {"per_step_s", "executor_per_step_s"}

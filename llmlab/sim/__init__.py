@@ -17,7 +17,8 @@ code that runs for real.
     result.table                                          # per replica and overall
 
 Pieces: :mod:`~llmlab.sim.shape` (what a step costs by), :mod:`~llmlab.sim.cost_model`
-(the contract, checked; replaying a real run), :mod:`~llmlab.sim.roofline` (hardware
+(the contract, checked; replaying a real run; overlapped steps), :mod:`~llmlab.sim.host`
+(the engine's host time, hidden and not by overlap), :mod:`~llmlab.sim.roofline` (hardware
 presets), :mod:`~llmlab.sim.profiled` (fitted), :mod:`~llmlab.sim.executor`,
 :mod:`~llmlab.sim.engine` (:func:`sim_engine`), :mod:`~llmlab.sim.run`
 (:func:`simulate`), :mod:`~llmlab.sim.traces` (Azure, Mooncake, BurstGPT, recordings),
@@ -33,10 +34,10 @@ from llmlab.sim.cost_model import (
 )
 from llmlab.sim.engine import sim_engine
 from llmlab.sim.executor import SimulatedExecutor
+from llmlab.sim.host import HostCost
 from llmlab.sim.profiled import ProfiledCostModel
 from llmlab.sim.roofline import (
     Hardware,
-    HostCost,
     ModelShape,
     RooflineCostModel,
     hardware,

@@ -15,6 +15,14 @@ models the host is a large share of it. Built-ins:
 
 A cost model is user code: :func:`step_time` refuses an answer that is not a finite
 number >= 0, naming the model, before the clock moves.
+
+Overlapped scheduling (``async_scheduling``, :mod:`llmlab.engine.overlap`) is priced, not
+run: the simulated engine always steps synchronously (its executor plans nothing ahead), and
+a cost model with an ``overlap`` field (the roofline and profiled ones) prices an overlapped
+step as ``max(device, hidden host) + unhidden host`` (:class:`~llmlab.sim.host.HostCost`).
+``overlap=None`` follows the simulated engine's ``async_scheduling``, resolved as the real
+engine resolves it (:func:`with_overlap`). A cost model without the field prices every
+step itself, whichever loop the engine it models runs.
 """
 
 from __future__ import annotations
@@ -27,7 +35,19 @@ import attrs
 
 from llmlab.observe.events import StepEvent
 from llmlab.errors import ComponentError
+from llmlab.sim.host import overlapped_time, overlaps
 from llmlab.sim.shape import BatchShape
+
+__all__ = [
+    "CostModel",
+    "ReplayCostModel",
+    "as_shapes",
+    "measured_step_times",
+    "overlapped_time",
+    "overlaps",
+    "step_time",
+    "with_overlap",
+]
 
 
 @runtime_checkable
@@ -58,6 +78,46 @@ def step_time(model: CostModel, shape: BatchShape) -> float:
             f"returned {seconds!r} for {shape}; a step time is a finite number of seconds >= 0",
         )
     return float(seconds)
+
+
+def with_overlap(model: CostModel, async_scheduling: bool | None, device_type: str) -> CostModel:
+    """``model`` as a simulated engine with ``async_scheduling`` on ``device_type``
+    (``"cuda"`` for a GPU preset, ``"cpu"``) uses it.
+
+    The real engine overlaps when ``async_scheduling`` is True, or None on a CUDA device.
+    A cost model with an ``overlap`` field (an attrs class: the roofline and profiled ones)
+    whose ``overlap`` is None gets that; one whose ``overlap`` is set keeps it, unless an
+    explicit ``async_scheduling`` says the opposite (``ValueError``). A model that cannot
+    split its steps into device and host (``host`` is None: a profiled model fitted
+    without one) prices its steps as its recording measured them, in whichever loop that
+    run ran: it is left as it is when the overlap is only the device's default (a profile
+    of a CUDA run already holds that run's overlap), and refused when
+    ``async_scheduling=True`` asks for an overlap it cannot price. Any other cost model is
+    returned as it is."""
+    cls = type(model)
+    if not attrs.has(cls) or "overlap" not in attrs.fields_dict(cls):
+        return model
+    current = model.overlap  # type: ignore[attr-defined]
+    if current is not None:
+        if async_scheduling is not None and current != async_scheduling:
+            raise ValueError(
+                f"async_scheduling={async_scheduling} but the cost model "
+                f"{getattr(model, 'name', cls.__name__)!r} has overlap={current}; set one "
+                "of them (overlap=None follows async_scheduling)"
+            )
+        return model
+    wanted = device_type == "cuda" if async_scheduling is None else async_scheduling
+    if wanted and getattr(model, "host", True) is None:
+        if async_scheduling is None:
+            return model
+        raise ValueError(
+            f"async_scheduling=True: the cost model {getattr(model, 'name', cls.__name__)!r} "
+            "cannot price an overlapped step without its host term: give it host=HostCost"
+            "(...) (e.g. HostCost.from_host_overhead(path)) to overlap the steps of a "
+            "synchronous recording, or leave async_scheduling=None to price the steps as "
+            "recorded (a recording of an overlapped engine holds its overlap already)"
+        )
+    return attrs.evolve(model, overlap=wanted)
 
 
 def measured_step_times(events: Iterable[StepEvent]) -> list[tuple[StepEvent, float]]:

@@ -11,6 +11,12 @@ tokenizer, no device. Time is a :class:`~llmlab.runner.executor.VirtualClock`.
 
 Simulated requests are token ids (no tokenizer) and end at their ``max_tokens`` (the
 engine has no EOS token); logprobs are not computed (0.0 placeholders).
+
+Overlapped scheduling (``async_scheduling``) is priced, not run: the simulated engine steps
+synchronously (its config reads ``async_scheduling=False``), and its cost model prices each
+step as the engine modelled would run it (:func:`~llmlab.sim.cost_model.with_overlap`:
+``async_scheduling`` resolved as the real engine resolves it, on for a GPU preset unless
+False, off on ``this_machine``; ``engine.executor.cost_model.overlap`` says which).
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import attrs
+
 from llmlab.config import EngineConfig
 from llmlab.dtypes import dtype_from_name
 from llmlab.engine.engine import Engine
 from llmlab.runner.executor import VirtualClock
-from llmlab.sim.cost_model import CostModel
+from llmlab.sim.cost_model import CostModel, with_overlap
 from llmlab.sim.executor import SimulatedExecutor
 from llmlab.sim.roofline import (
     THIS_MACHINE,
@@ -54,13 +62,15 @@ def sim_engine(
     Args:
         cost_model: a :class:`~llmlab.sim.cost_model.CostModel`, or ``"roofline"`` for
             :class:`~llmlab.sim.roofline.RooflineCostModel` of this model on ``hardware``.
+            One with ``overlap=None`` prices overlapped steps when ``async_scheduling``
+            resolves on (see the module).
         hardware: a preset name (``"h100_sxm"``, ``"h200"``, ``"a100_80gb"``, ``"l4"``,
             ``"this_machine"``) or a :class:`~llmlab.sim.roofline.Hardware`: the roofline's
             rates, and the memory the KV cache is sized from on a GPU preset.
         clock: the virtual clock (a fresh one at 0 by default).
         settings: ``LLM``'s keywords (``max_num_seqs``, ``block_size``,
             ``num_gpu_blocks_override``, ``enable_prefix_caching``, ``speculative_config``
-            with ``"method": "synthetic"``, ...).
+            with ``"method": "synthetic"``, ``async_scheduling``, ...).
 
     Raises ``ValueError`` naming the setting for anything the real engine would refuse, an
     unknown keyword, and a speculative method other than ``synthetic`` (the simulator has
@@ -93,7 +103,8 @@ def sim_engine(
     # "this_machine" is measured (about a second): only when something reads it.
     hw = None if hardware == THIS_MACHINE else lookup_hardware(hardware)
     on_gpu = hw is not None and hw.memory_bytes is not None
-    cfg = resolve_step_settings(cfg, "cuda" if on_gpu else "cpu", max_model_len)
+    device_type = "cuda" if on_gpu else "cpu"
+    cfg = resolve_step_settings(cfg, device_type, max_model_len)
     # "auto": what the real engine would pick, bfloat16 on a GPU and float32 on a CPU.
     dtype = dtype_from_name(cfg.dtype)
     dtype_bytes = dtype.itemsize if dtype is not None else 2 if on_gpu else 4
@@ -109,6 +120,10 @@ def sim_engine(
             )
         cost_model = RooflineCostModel(shape, hw or lookup_hardware(hardware),
                                        dtype_bytes=dtype_bytes)
+    # The overlap is the cost model's to price; the engine itself steps synchronously (its
+    # executor cannot plan ahead: Engine would refuse async_scheduling=True).
+    cost_model = with_overlap(cost_model, cfg.async_scheduling, device_type)
+    cfg = attrs.evolve(cfg, async_scheduling=False)
     acceptance = None
     length = None
     if cfg.speculative_config is not None:

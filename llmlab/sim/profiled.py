@@ -14,6 +14,13 @@ with every coefficient kept >= 0 (a feature whose coefficient comes out negative
 dropped and the rest refitted, until none is), so a prediction is never negative and
 grows with the work. Least squares leaves the mean residual at zero, which is what sums
 over many steps (makespan, latencies) need.
+
+A fitted cycle is the loop the recorded run ran. To simulate an overlapped engine
+(``async_scheduling``) from a synchronous recording (every CPU run), give the model the
+recording's host term (``host``, a :class:`~llmlab.sim.host.HostCost`, e.g.
+``HostCost.from_host_overhead(path)``): an overlapped step is then the fitted cycle split
+into ``device = cycle - host`` and the host, priced ``max(device, hidden) + unhidden``
+(never more than the cycle itself).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import numpy as np
 
 from llmlab.observe.events import StepEvent
 from llmlab.sim.cost_model import as_shapes
+from llmlab.sim.host import HostCost, overlapped_time, overlaps
 from llmlab.sim.shape import FEATURES, BatchShape
+from llmlab.validation import as_bool
 
 DEFAULT_FEATURES = (
     "num_requests",
@@ -72,12 +81,25 @@ class ProfiledCostModel:
         features: the :class:`~llmlab.sim.shape.BatchShape` fields used.
         decode: the fit for pure decode steps.
         prefill: the fit for every other step.
+        host: the host part of the recording's (synchronous) cycles, or None: needed to
+            price overlapped steps.
+        overlap: whether the engine modelled overlaps its steps; None: as the simulated
+            engine's ``async_scheduling`` resolves
+            (:func:`~llmlab.sim.cost_model.with_overlap`), and synchronous without a
+            ``host`` or on its own. True needs ``host``.
     """
 
     features: tuple[str, ...]
     decode: Linear
     prefill: Linear
     name: str = "profiled"
+    host: HostCost | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(HostCost)),
+    )
+    overlap: bool | None = attrs.field(
+        default=None, converter=lambda v: as_bool("overlap", v, allow_none=True)
+    )
     _index: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -90,6 +112,11 @@ class ProfiledCostModel:
                     f"{len(regime.coefficients)} coefficients for {len(self.features)} features"
                 )
         object.__setattr__(self, "_index", tuple(FEATURES.index(f) for f in self.features))
+        if self.overlap and self.host is None:
+            raise ValueError(
+                "overlap=True needs host: the host part of the recorded cycles (a HostCost, "
+                "e.g. HostCost.from_host_overhead(path)), to split a cycle into device and host"
+            )
 
     @property
     def num_steps(self) -> int:
@@ -103,12 +130,15 @@ class ProfiledCostModel:
         features: Sequence[str] = DEFAULT_FEATURES,
         *,
         skip: int = 0,
+        host: HostCost | None = None,
+        overlap: bool | None = None,
     ) -> ProfiledCostModel:
         """Fit on a real run's events (a :class:`~llmlab.observe.recording.Recording`, a
         ``Comparison``'s events of one configuration, or any list of ``StepEvent``s) of a
         *warmed-up* engine (the first steps of a fresh engine meet every shape for the
-        first time and are slow; ``skip`` leaves out that many first steps). Raises
-        ``ValueError`` for an unknown feature, or with fewer steps than features."""
+        first time and are slow; ``skip`` leaves out that many first steps). ``host`` and
+        ``overlap``: the fields (for pricing overlapped steps). Raises ``ValueError`` for
+        an unknown feature, or with fewer steps than features."""
         features = tuple(features)
         unknown = [f for f in features if f not in FEATURES]
         if unknown:
@@ -129,7 +159,7 @@ class ProfiledCostModel:
             _fit(x[mask], y[mask]) if mask.sum() > 2 * len(features) else pooled
             for mask in (decode, ~decode)
         ]
-        return cls(features, *regimes)
+        return cls(features, *regimes, host=host, overlap=overlap)
 
     def step_time(self, shape: BatchShape) -> float:
         regime = self.decode if shape.is_decode else self.prefill
@@ -137,7 +167,11 @@ class ProfiledCostModel:
         total = regime.intercept
         for i, c in zip(self._index, regime.coefficients, strict=True):
             total += c * counts[i]
-        return total
+        if self.host is None or not overlaps(self.overlap, shape):
+            return total
+        hidden, unhidden = self.host.hidden_time(shape), self.host.unhidden_time(shape)
+        device = max(total - hidden - unhidden, 0.0)
+        return min(overlapped_time(device, hidden, unhidden), total)
 
     def describe(self) -> dict[str, dict[str, float]]:
         """Per regime, ``{feature: coefficient}`` with the intercept as ``"per_step"``

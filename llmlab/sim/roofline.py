@@ -6,7 +6,9 @@ write the KV of its new tokens) at the device's memory bandwidth; the slower of 
 the step's device floor (Williams, Waterman and Patterson, "Roofline: an insightful visual
 performance model for multicore architectures", CACM 2009). Small decode batches land on the
 memory side, long prefills on the compute side. On top of the floor comes the engine's own
-host time (:class:`HostCost`), which on small models is a large share of a step.
+host time (:class:`~llmlab.sim.host.HostCost`), which on small models is a large share of a
+step: all of it on a synchronous engine, only the executor thread's part on an overlapped
+one (``async_scheduling``), whose engine thread schedules and commits while the device runs.
 
 Three pieces, each usable alone:
 
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from llmlab.sim.host import HostCost, overlapped_time, overlaps
 from llmlab.sim.measure import (
     RateCurve,
     _torch_dtype,
@@ -40,7 +43,7 @@ from llmlab.sim.measure import (
     measure_matmul_flops_per_s,
 )
 from llmlab.sim.model_shape import ModelShape
-from llmlab.validation import as_int, as_real, as_str
+from llmlab.validation import as_bool, as_int, as_real, as_str
 
 if TYPE_CHECKING:
     from llmlab.observe.events import StepEvent
@@ -53,10 +56,6 @@ def _positive_int(field: str):
 
 def _positive_real(field: str):
     return functools.partial(as_real, field, min=0, min_inclusive=False)
-
-
-def _nonnegative_real(field: str):
-    return functools.partial(as_real, field, min=0)
 
 
 def _fraction(field: str):
@@ -210,41 +209,6 @@ def hardware(name_or_instance: str | Hardware) -> Hardware:
 _lookup_hardware = hardware  # RooflineCostModel.for_model's argument shadows the name
 
 
-# ---------------------------------------------------------------------------- host time
-
-
-@attrs.frozen
-class HostCost:
-    """The engine's own host time per step: scheduling, building the batch, sampling,
-    committing tokens, emitting events. Modelled, not measured:
-
-        time = per_step_s + per_request_s * num_requests + per_token_s * num_tokens
-               + per_admission_s * num_admitted
-
-    The defaults are rough numbers (a few hundred microseconds a step, tens per request);
-    llmlab's CPU engine spends 2-3 ms a step on a small model (BENCHMARKS.md), so fit them
-    on a real run's step events (:meth:`RooflineCostModel.fit_host`) for anything you
-    report.
-    """
-
-    per_step_s: float = attrs.field(default=3e-4, converter=_nonnegative_real("per_step_s"))
-    per_request_s: float = attrs.field(
-        default=1.5e-5, converter=_nonnegative_real("per_request_s")
-    )
-    per_token_s: float = attrs.field(default=0.0, converter=_nonnegative_real("per_token_s"))
-    per_admission_s: float = attrs.field(
-        default=5e-5, converter=_nonnegative_real("per_admission_s")
-    )
-
-    def time(self, shape: BatchShape) -> float:
-        return (
-            self.per_step_s
-            + self.per_request_s * shape.num_requests
-            + self.per_token_s * shape.num_tokens
-            + self.per_admission_s * shape.num_admitted
-        )
-
-
 # ---------------------------------------------------------------------------- cost model
 
 
@@ -271,7 +235,8 @@ def _default_weight_bytes(value: int | None, self: RooflineCostModel) -> int:
 
 @attrs.frozen
 class RooflineCostModel:
-    """A step takes ``max(FLOPs / matmul rate, bytes / bandwidth)`` plus host time.
+    """A step takes ``max(FLOPs / matmul rate, bytes / bandwidth)`` plus host time;
+    overlapped, ``max(device, hidden host) + unhidden host`` (:class:`HostCost`).
 
     FLOPs: every token through the layers' projections, every sampled row through the LM
     head, every (token, attended position) pair through attention. Bytes: every weight once,
@@ -286,7 +251,13 @@ class RooflineCostModel:
         weight_bytes: weights read per step (default: ``model.num_parameters_read()`` times
             ``dtype_bytes``; give it for quantized weights or a measured checkpoint).
         compute_efficiency, memory_efficiency: fractions of the peak rates reached, in (0, 1].
-        host: the engine's host time per step.
+        host: the engine's host time per step, split into what overlap hides and what it
+            does not.
+        overlap: whether the engine modelled overlaps its steps (``async_scheduling``).
+            None: as the simulated engine's ``async_scheduling`` resolves
+            (:func:`~llmlab.sim.cost_model.with_overlap`: on for a GPU preset unless it is
+            False); priced on its own, None is synchronous. A step that verifies
+            speculative drafts is priced synchronous either way (the engine runs it so).
     """
 
     # Converters, not validators, check the types: weight_bytes's default reads the model,
@@ -302,6 +273,9 @@ class RooflineCostModel:
     )
     memory_efficiency: float = attrs.field(default=1.0, converter=_fraction("memory_efficiency"))
     host: HostCost = attrs.field(factory=HostCost, converter=_as_host_cost)
+    overlap: bool | None = attrs.field(
+        default=None, converter=functools.partial(as_bool, "overlap", allow_none=True)
+    )
 
     @classmethod
     def for_model(
@@ -351,13 +325,22 @@ class RooflineCostModel:
         return max(self.compute_time(shape), self.memory_time(shape))
 
     def step_time(self, shape: BatchShape) -> float:
-        return self.device_time(shape) + self.host.time(shape)
+        """Synchronous: device + host. Overlapped: ``max(device, host.hidden_time) +
+        host.unhidden_time``."""
+        device = self.device_time(shape)
+        if overlaps(self.overlap, shape):
+            return overlapped_time(device, self.host.hidden_time(shape),
+                                   self.host.unhidden_time(shape))
+        return device + self.host.time(shape)
 
     def fit_host(self, events: Iterable[StepEvent]) -> RooflineCostModel:
-        """This model with its :class:`HostCost` fitted on a real run's step events: each
-        step's measured cycle (:func:`~llmlab.sim.cost_model.measured_step_times`) less
-        its roofline time, by least squares with every term >= 0. The device part stays
-        the hardware's; only what the hardware cannot explain goes to the host."""
+        """This model with its :class:`HostCost` fitted on a *synchronous* run's step
+        events: each step's measured cycle (:func:`~llmlab.sim.cost_model.measured_step_times`)
+        less its roofline time, by least squares with every term >= 0. The device part
+        stays the hardware's; only what the hardware cannot explain goes to the host. A
+        step event does not say which thread spent its host time: the fitted per-step and
+        per-request terms are split between the engine and executor threads in the
+        current host term's proportions (:meth:`HostCost.with_totals`)."""
         from llmlab.sim.cost_model import as_shapes
         from llmlab.sim.profiled import _nonnegative_least_squares
 
@@ -371,7 +354,7 @@ class RooflineCostModel:
                      dtype=np.float64)
         y = np.asarray(times) - np.array([self.device_time(s) for s in shapes])
         (per_request, per_token, per_admission), per_step = _nonnegative_least_squares(x, y)
-        return attrs.evolve(self, host=HostCost(
+        return attrs.evolve(self, host=self.host.with_totals(
             per_step_s=per_step, per_request_s=float(per_request),
             per_token_s=float(per_token), per_admission_s=float(per_admission),
         ))

@@ -50,7 +50,8 @@ TOY = ModelShape(
     intermediate_size=8, vocab_size=10,
 )
 TOY_WEIGHT_BYTES = (10 * 4 + 2 * 144) * 2  # untied: the LM head, not the embedding lookup
-NO_HOST = HostCost(per_step_s=0, per_request_s=0, per_token_s=0, per_admission_s=0)
+NO_HOST = HostCost(per_step_s=0, per_request_s=0, per_token_s=0, per_admission_s=0,
+                   executor_per_step_s=0, executor_per_request_s=0)
 TOY_HW = Hardware("toy", matmul_flops_per_s=1e6, memory_bytes_per_s=1e5, memory_bytes=1e9)
 
 
@@ -166,15 +167,19 @@ def test_a_decode_step_is_memory_bound_and_grows_with_context():
 
 
 def test_host_time_is_added_and_an_empty_step_costs_only_host_time():
-    host = HostCost(per_step_s=1.0, per_request_s=0.1, per_token_s=0.01, per_admission_s=0.5)
+    host = HostCost(per_step_s=1.0, per_request_s=0.1, per_token_s=0.01, per_admission_s=0.5,
+                    executor_per_step_s=0.2, executor_per_request_s=0.03)
     model = RooflineCostModel(TOY, TOY_HW, host=host)
     shape = prefill(100)
-    assert host.time(shape) == pytest.approx(1.0 + 0.1 + 0.01 * 100 + 0.5)
-    assert model.step_time(shape) == pytest.approx(0.21928 + 2.6)
+    assert host.hidden_time(shape) == pytest.approx(1.0 + 0.1 + 0.5)
+    assert host.unhidden_time(shape) == pytest.approx(0.2 + 0.03 + 0.01 * 100)
+    assert host.time(shape) == pytest.approx(1.6 + 1.23)
+    assert model.step_time(shape) == pytest.approx(0.21928 + 2.83)
     idle = BatchShape(num_admitted=2, num_preempted=1)
-    assert model.step_time(idle) == pytest.approx(1.0 + 2 * 0.5)
+    assert model.step_time(idle) == pytest.approx(1.0 + 2 * 0.5 + 0.2)
     assert RooflineCostModel(TOY, TOY_HW).host == HostCost()  # the defaults: a modelled term
-    assert HostCost().time(BatchShape()) == pytest.approx(3e-4)
+    assert HostCost().time(BatchShape()) == pytest.approx(
+        HostCost().per_step_s + HostCost().executor_per_step_s)
 
 
 def test_efficiencies_scale_their_own_side():
@@ -274,6 +279,8 @@ def test_this_machine_is_measured_once_per_process():
         (lambda: HostCost(per_request_s=math.nan), "per_request_s must be a finite"),
         (lambda: HostCost(per_token_s=math.inf), "per_token_s must be a finite"),
         (lambda: HostCost(per_admission_s=-1e-9), "per_admission_s must be >= 0"),
+        (lambda: HostCost(executor_per_step_s=-1), "executor_per_step_s must be >= 0"),
+        (lambda: HostCost(executor_per_request_s=math.nan), "executor_per_request_s must be"),
         (lambda: RooflineCostModel(TOY, TOY_HW, compute_efficiency=0),
          r"compute_efficiency must be in \(0, 1\], got 0.0"),
         (lambda: RooflineCostModel(TOY, TOY_HW, memory_efficiency=1.5),

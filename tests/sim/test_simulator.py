@@ -432,11 +432,21 @@ def test_the_rooflines_host_term_is_fitted_on_a_run(tiny_llama):
 
     gpu = Hardware("toy", matmul_flops_per_s=1e12, memory_bytes_per_s=1e11, memory_bytes=1e10)
     shape = ModelShape.from_pretrained(tiny_llama)
-    host = HostCost(per_step_s=2e-3, per_request_s=4e-5, per_token_s=1e-6, per_admission_s=3e-4)
+    host = HostCost(per_step_s=2e-3, per_request_s=4e-5, per_token_s=1e-6, per_admission_s=3e-4,
+                    executor_per_step_s=5e-4, executor_per_request_s=1e-5)
     truth = RooflineCostModel(shape, gpu, host=host)
     engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
     _, trace = run_workload(engine, chat(tiny_llama))
-    fitted = RooflineCostModel(shape, gpu).fit_host(trace.events)
+    # A step's time does not say which thread spent it: the split between the engine and
+    # executor threads is the starting term's (here the truth's proportions, twice as big).
+    start = HostCost(*(2 * v for v in attrs.astuple(host)))
+    fitted = RooflineCostModel(shape, gpu, host=start).fit_host(trace.events)
     assert attrs.astuple(fitted.host) == pytest.approx(attrs.astuple(host), rel=1e-6)
     assert fitted.device_time(BatchShape(num_requests=1, num_decode_requests=1,
                                          context_tokens=10)) > 0
+    # From the defaults: the same totals, split in the defaults' proportions.
+    default = RooflineCostModel(shape, gpu).fit_host(trace.events).host
+    assert default.per_step_s + default.executor_per_step_s == pytest.approx(2.5e-3, rel=1e-6)
+    assert default.per_request_s + default.executor_per_request_s == pytest.approx(5e-5, rel=1e-6)
+    assert default.executor_per_request_s / default.per_request_s == pytest.approx(
+        HostCost().executor_per_request_s / HostCost().per_request_s)
