@@ -189,16 +189,11 @@ class ModelRunner(Sampling):
             if layer_shift is None:
                 hidden = self.decode_graphs.run(batch, self.block_tables, dropped,
                                                 self.last_tokens)
-        # Told when the host is free: a CPU forward holds it from its start, a CUDA one
-        # once launched (then the host waits only for the sampled tokens).
-        began, cuda = self.forward_began, self.device.type == "cuda"
         if hidden is None:
-            if began is not None and not cuda:
-                began()
             hidden = self.run_model(batch, self.kv_caches, self.attention_state,
                                     contexts=contexts)
-        if began is not None and cuda:
-            began()
+        if self.forward_began is not None and self.device.type == "cuda":
+            self.forward_began()  # launched: the host now waits only for the sampled tokens
         return self._after(batch, hidden, self._sample(batch, hidden), contexts)
 
     def _after(self, batch: ScheduledBatch, hidden: torch.Tensor, output: BatchOutput,
@@ -266,6 +261,8 @@ class ModelRunner(Sampling):
         for plugin, ctx in zip(plugins, contexts or (), strict=True):
             observe = observe or plugin.observe_queries(ctx)
         context = AttentionContext(self.attention, metadata, kv_caches, layer_metadata, observe)
+        if self.forward_began is not None and self.device.type != "cuda":
+            self.forward_began()  # inputs built: a CPU forward holds the host from here
         if not plugins:
             return self.model(input_ids, positions, context)
         lens = np.asarray(inputs.query_lens, dtype=np.int64)
