@@ -89,40 +89,51 @@ class Overlap:
         return self._flight is not None
 
     def step(self) -> list:
-        engine = self.engine
-        with engine._lock:
-            flight = self._flight
-            if flight is None:
-                start = engine.clock()
-                with deferred_interrupts():
-                    batch = engine.scheduler.schedule(start)
-                if batch.is_empty:
-                    return engine._deliver(batch, None, start, 0.0)
-                flight = self._launch(batch, start)
-            following = None
-            if self._may_plan_ahead(flight.batch):
-                now = engine.clock()
-                with deferred_interrupts():
-                    following = engine.scheduler.schedule(now, ahead_of=flight.batch)
-            self._flight = None
+        # Ctrl-C is delivered after the step: a batch cannot be stopped mid-forward on its
+        # thread, and one left uncommitted would leave the runner's rows ahead of the
+        # scheduler's.
+        outputs: list = []
+        with self.engine._lock:
             try:
-                output = flight.future.result()
-            except BaseException:
-                self._abandon(following)
+                with deferred_interrupts():
+                    outputs = self._step()
+            except KeyboardInterrupt:  # after the commit: its outputs come with the next step
+                self.engine._undelivered[:0] = outputs
                 raise
-            # The time from scheduling to the output: the forward and its wait.
-            model_time = engine.clock() - flight.start
-            if following is not None and not following.is_empty:
-                self._flight = self._launch(following, now)
-                # The worker prepares that batch's inputs in Python: let it reach the forward
-                # (which leaves the host free) before this thread takes the GIL to commit.
-                self._flight.began.wait()
-            outputs = engine._deliver(flight.batch, output, flight.start, model_time)
-            if self._flight is not None and not engine.scheduler.num_unfinished:
-                # Every request ended: what was planned ahead is wasted; finish it now, so
-                # an idle engine holds nothing in flight.
-                outputs += self.drain()
-            return outputs
+        return outputs
+
+    def _step(self) -> list:
+        engine = self.engine
+        flight = self._flight
+        if flight is None:
+            start = engine.clock()
+            batch = engine.scheduler.schedule(start)
+            if batch.is_empty:
+                return engine._deliver(batch, None, start, 0.0)
+            flight = self._launch(batch, start)
+        following = None
+        if self._may_plan_ahead(flight.batch):
+            now = engine.clock()
+            following = engine.scheduler.schedule(now, ahead_of=flight.batch)
+        self._flight = None
+        try:
+            output = flight.future.result()
+        except Exception:
+            self._abandon(following)
+            raise
+        # The time from scheduling to the output: the forward and its wait.
+        model_time = engine.clock() - flight.start
+        if following is not None and not following.is_empty:
+            self._flight = self._launch(following, now)
+            # The worker prepares that batch's inputs in Python: let it reach the forward
+            # (which leaves the host free) before this thread takes the GIL to commit.
+            self._flight.began.wait()
+        outputs = engine._deliver(flight.batch, output, flight.start, model_time)
+        if self._flight is not None and not engine.scheduler.num_unfinished:
+            # Every request ended: what was planned ahead is wasted; finish it now, so an
+            # idle engine holds nothing in flight.
+            outputs += self._drain()
+        return outputs
 
     def _launch(self, batch: ScheduledBatch, start: float) -> _Flight:
         began = threading.Event()
@@ -169,17 +180,27 @@ class Overlap:
 
     def drain(self) -> list:
         """Commit the batch in flight, if any; its outputs (nothing is planned after it)."""
+        outputs: list = []
         with self.engine._lock:
-            flight, self._flight = self._flight, None
-            if flight is None:
-                return []
             try:
-                output = flight.future.result()
-            except BaseException:
-                self.engine.scheduler.resend_rows()
+                with deferred_interrupts():
+                    outputs = self._drain()
+            except KeyboardInterrupt:
+                self.engine._undelivered[:0] = outputs
                 raise
-            model_time = self.engine.clock() - flight.start
-            return self.engine._deliver(flight.batch, output, flight.start, model_time)
+        return outputs
+
+    def _drain(self) -> list:
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        try:
+            output = flight.future.result()
+        except Exception:
+            self.engine.scheduler.resend_rows()
+            raise
+        model_time = self.engine.clock() - flight.start
+        return self.engine._deliver(flight.batch, output, flight.start, model_time)
 
     def shutdown(self) -> None:
         """Wait for the batch in flight and stop the worker thread."""

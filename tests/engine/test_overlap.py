@@ -371,3 +371,49 @@ def test_streams_through_the_async_engine_match(tiny_llama):
     sync, overlapped = streams(False), streams(True)
     assert overlapped[:3] == sync[:3]
     assert overlapped[3][1][:5] == sync[3][1][:5]
+
+
+def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama):
+    """A SIGINT while the executor thread runs a batch: the step still commits it (a batch
+    cannot be stopped mid-forward), then raises KeyboardInterrupt; the engine goes on to
+    the synchronous engine's tokens."""
+    import signal
+    import threading
+
+    prompts, params = workload(8, seed=21)
+    expected, _ = run(LLM(tiny_llama, async_scheduling=False, **COMMON).llm_engine,
+                      prompts, params)
+    llm = LLM(tiny_llama, async_scheduling=True, **COMMON)
+    engine = llm.llm_engine
+    inner = engine.executor.execute
+    calls = {"n": 0}
+    main = threading.main_thread().ident
+
+    def execute(batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C while this batch runs
+        return inner(batch)
+
+    engine.executor.execute = execute
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    final, interrupted = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            engine.kv_cache.check()
+            continue
+        for out in outs:
+            if out.finished:
+                final[out.request_id] = [
+                    (c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+                     None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+                    for c in sorted(out.outputs, key=lambda c: c.index)
+                ]
+    assert interrupted == 1
+    assert final == expected
+    assert_clean(engine)
+    engine.shutdown()
