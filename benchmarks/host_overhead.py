@@ -11,6 +11,11 @@ from :mod:`llmlab.testing.host_models`:
   kernel runs). A synchronous loop's step is the sleep plus the host work; a loop that
   overlaps them should come close to the sleep alone.
 
+Requests report as ``LLM.generate``'s do (``FINAL_ONLY``: nothing per step until they end,
+the offline path the issue's baseline figures come from); ``--output-kind delta`` builds a
+streaming server's one-token output per request per step, ``cumulative`` the whole text so
+far (its cost grows with the output).
+
 At each count of running requests (``--running``; all decode, none finishing while timed)
 the loop is timed over ``--steps`` steps, ``--repeats`` times, each repeat on a fresh
 engine; it prints the median per-step figure and the repeats' spread, then a split of the
@@ -33,7 +38,7 @@ import time
 import torch
 
 from llmlab.engine.builder import EngineBuilder
-from llmlab.sampling.params import SamplingParams
+from llmlab.sampling.params import RequestOutputKind, SamplingParams
 from llmlab.testing.host_models import FixedTimeModel, NullModel, swap_model
 
 TARGETS_MS = {64: 0.35, 256: 1.0}  # null-model host work per decode step
@@ -54,8 +59,12 @@ def build(num_running: int, max_tokens: int, loop: str):
     ).build()
 
 
+OUTPUT_KINDS = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+                "cumulative": RequestOutputKind.CUMULATIVE}
+
+
 def run_point(num_running: int, steps: int, kind: str, forward_ms: float, loop: str,
-              stages: bool = False) -> dict:
+              stages: bool = False, output_kind: str = "final") -> dict:
     """One repeat: a fresh engine, ``num_running`` requests decoding, ``steps`` timed steps.
     Returns per-step medians in ms (``wall``, ``model``, ``host`` = wall - model)."""
     warmup = 8
@@ -64,7 +73,8 @@ def run_point(num_running: int, steps: int, kind: str, forward_ms: float, loop: 
     vocab = engine.executor.model.vocab_size
     model = NullModel(vocab) if kind == "null" else FixedTimeModel(vocab, forward_ms / 1e3)
     swap_model(engine, model)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                            output_kind=OUTPUT_KINDS[output_kind])
     for i in range(num_running):
         engine.add_request(f"r{i}", f"Once upon a time, {i} little foxes", params)
     while engine.scheduler.num_waiting:  # every request prefilled and running
@@ -117,21 +127,25 @@ def main(argv: list[str] | None = None) -> dict:
                         default="default",
                         help="the engine's loop: synchronous, overlapped (async_scheduling), "
                         "both in turn, or the engine's default")
+    parser.add_argument("--output-kind", choices=list(OUTPUT_KINDS), default="final",
+                        help="what each request reports per step (default: LLM.generate's)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (the host work is one Python thread)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     loops = ["sync", "overlap"] if args.loop == "both" else [args.loop]
-    report: dict = {"steps": args.steps, "repeats": args.repeats, "null": {}, "fixed": {}}
-    print(f"host work per decode step, median of {args.steps} steps; "
-          f"repeats: {args.repeats} fresh engines (min..max of their medians)")
+    report: dict = {"steps": args.steps, "repeats": args.repeats,
+                    "output_kind": args.output_kind, "null": {}, "fixed": {}}
+    print(f"host work per decode step, median of {args.steps} steps; repeats: {args.repeats} "
+          f"fresh engines (min..max of their medians); outputs: {args.output_kind}")
     for loop in loops:
         if args.model_kind in ("null", "both"):
             print(f"\n== null model, loop={loop}")
             print(f"{'running':>8} {'host ms':>9} {'spread':>15} {'us/req':>7} {'target':>7}")
             for n in args.running:
-                reps = [run_point(n, args.steps, "null", 0.0, loop) for _ in range(args.repeats)]
+                reps = [run_point(n, args.steps, "null", 0.0, loop, output_kind=args.output_kind)
+                        for _ in range(args.repeats)]
                 hosts = [r["host_ms"] for r in reps]
                 med = statistics.median(hosts)
                 target = TARGETS_MS.get(n)
@@ -144,14 +158,15 @@ def main(argv: list[str] | None = None) -> dict:
                 report["null"][loop]["growth_256_1024"] = growth
                 print(f"growth 256 -> 1,024 running: {growth:.2f}x (target < {GROWTH_TARGET}x)")
             split_n = 256 if 256 in args.running else args.running[-1]
-            split = run_point(split_n, args.steps, "null", 0.0, loop, stages=True)["stages_ms"]
+            split = run_point(split_n, args.steps, "null", 0.0, loop, stages=True,
+                              output_kind=args.output_kind)["stages_ms"]
             report["null"][loop]["stages_ms"] = {"running": split_n, **split}
             print(f"host work by stage at {split_n} running (ms/step): " + ", ".join(
                 f"{k} {v:.3f}" for k, v in split.items()))
         if args.model_kind in ("fixed", "both"):
             n = args.fixed_running
-            reps = [run_point(n, args.steps, "fixed", args.forward_ms, loop)
-                    for _ in range(args.repeats)]
+            reps = [run_point(n, args.steps, "fixed", args.forward_ms, loop,
+                              output_kind=args.output_kind) for _ in range(args.repeats)]
             walls = [r["wall_ms"] for r in reps]
             med = statistics.median(walls)
             ratio = med / args.forward_ms
