@@ -268,6 +268,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enforce-eager", action="store_true", help="llmlab: no CUDA graphs for decode steps"
     )
     parser.add_argument(
+        "--async-scheduling", choices=("auto", "on", "off"), default="auto",
+        help="llmlab: overlapped scheduling (auto: the engine's default, on for CUDA)",
+    )
+    parser.add_argument(
         "--cpu-linear", choices=("auto", "onednn", "plain"),
         help="llmlab on CPU: prepacked oneDNN linears or F.linear (default: the engine's auto)",
     )
@@ -395,6 +399,8 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         extra["cpu_linear"] = args.cpu_linear
     if not getattr(args, "cpu_fused_ops", True):
         extra["cpu_fused_ops"] = False
+    if getattr(args, "async_scheduling", "auto") != "auto":
+        extra["async_scheduling"] = args.async_scheduling == "on"
     shared = dict(
         dtype=args.dtype,
         seed=0,
