@@ -601,22 +601,28 @@ def step_time_error(cost, runs_events) -> dict[str, dict[str, float]]:
             for regime, (n, measured, predicted) in sums.items()}
 
 
-def _print_accuracy(out: dict) -> None:
+def _print_error_table(out: dict, second: str, label: str) -> None:
+    """The per-metric table of simulated errors and each model's summary line; ``second``:
+    the extra profiled column (``profiled_one_run`` or ``profiled_as_sync``)."""
     print(f"{'workload':<19} {'metric':<12} {'real ms':>8} {'spread':>7} {'profiled':>9} "
-          f"{'error':>7} {'(1 run)':>7} {'roofline':>9} {'error':>7} {'+host':>7}")
+          f"{'error':>7} {label:>7} {'roofline':>9} {'error':>7} {'+host':>7}")
     for name, w in out["workloads"].items():
         for m in ACCURACY_METRICS:
             print(f"{name:<19} {m:<12} {w['real_mean'][m] * 1e3:>8.1f} "
                   f"{w['real_spread'][m]:>7.1%} {w['profiled'][m] * 1e3:>9.1f} "
-                  f"{w['profiled_error'][m]:>+7.1%} {w['profiled_one_run_error'][m]:>+7.1%} "
+                  f"{w['profiled_error'][m]:>+7.1%} {w[f'{second}_error'][m]:>+7.1%} "
                   f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%} "
                   f"{w['roofline_host_error'][m]:>+7.1%}")
-    for model in ("profiled", "profiled_one_run", "roofline", "roofline_host"):
+    for model in ("profiled", second, "roofline", "roofline_host"):
         cells = [abs(w[f"{model}_error"][m]) for name, w in out["workloads"].items()
                  if name != "calibration" for m in ACCURACY_METRICS]
         within = sum(e <= 0.05 for e in cells)
         print(f"{model}: {within} of {len(cells)} target cells within 5%, "
               f"largest |error| {max(cells):.1%}")
+
+
+def _print_accuracy(out: dict) -> None:
+    _print_error_table(out, "profiled_one_run", "(1 run)")
     print("profiled step time on the real runs' own steps (measured mean, model's error):")
     for name, w in out["workloads"].items():
         cells = "  ".join(
@@ -635,21 +641,7 @@ def _print_accuracy(out: dict) -> None:
 
 
 def _print_overlapped(out: dict) -> None:
-    print(f"{'workload':<19} {'metric':<12} {'real ms':>8} {'spread':>7} {'profiled':>9} "
-          f"{'error':>7} {'as sync':>7} {'roofline':>9} {'error':>7} {'+host':>7}")
-    for name, w in out["workloads"].items():
-        for m in ACCURACY_METRICS:
-            print(f"{name:<19} {m:<12} {w['real_mean'][m] * 1e3:>8.1f} "
-                  f"{w['real_spread'][m]:>7.1%} {w['profiled'][m] * 1e3:>9.1f} "
-                  f"{w['profiled_error'][m]:>+7.1%} {w['profiled_as_sync_error'][m]:>+7.1%} "
-                  f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%} "
-                  f"{w['roofline_host_error'][m]:>+7.1%}")
-    for model in ("profiled", "profiled_as_sync", "roofline", "roofline_host"):
-        cells = [abs(w[f"{model}_error"][m]) for name, w in out["workloads"].items()
-                 if name != "calibration" for m in ACCURACY_METRICS]
-        within = sum(e <= 0.05 for e in cells)
-        print(f"{model}: {within} of {len(cells)} target cells within 5%, "
-              f"largest |error| {max(cells):.1%}")
+    _print_error_table(out, "profiled_as_sync", "as sync")
     print("profiled step time on the real overlapped runs' own steps (measured mean, the "
           "model's error priced overlapped / as sync):")
     for name, w in out["workloads"].items():

@@ -89,15 +89,19 @@ class Overlap:
         return self._flight is not None
 
     def step(self) -> list:
-        # Ctrl-C is delivered after the step: a batch cannot be stopped mid-forward on its
-        # thread, and one left uncommitted would leave the runner's rows ahead of the
-        # scheduler's.
+        return self._whole(self._step)
+
+    def _whole(self, run) -> list:
+        """``run()`` under the engine's lock, with Ctrl-C delivered after it: a batch
+        cannot be stopped mid-forward on its thread, and one left uncommitted would leave
+        the runner's rows ahead of the scheduler's. The outputs of a step interrupted so
+        come with the next call."""
         outputs: list = []
         with self.engine._lock:
             try:
                 with deferred_interrupts():
-                    outputs = self._step()
-            except KeyboardInterrupt:  # after the commit: its outputs come with the next step
+                    outputs = run()
+            except KeyboardInterrupt:
                 self.engine._undelivered[:0] = outputs
                 raise
         return outputs
@@ -180,15 +184,7 @@ class Overlap:
 
     def drain(self) -> list:
         """Commit the batch in flight, if any; its outputs (nothing is planned after it)."""
-        outputs: list = []
-        with self.engine._lock:
-            try:
-                with deferred_interrupts():
-                    outputs = self._drain()
-            except KeyboardInterrupt:
-                self.engine._undelivered[:0] = outputs
-                raise
-        return outputs
+        return self._whole(self._drain)
 
     def _drain(self) -> list:
         flight, self._flight = self._flight, None

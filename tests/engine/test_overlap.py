@@ -61,6 +61,13 @@ def count_placeholders(engine) -> list[int]:
     return counts
 
 
+def completions(out) -> list:
+    """What a finished output says, per sample: tokens, text, why it ended, logprobs."""
+    return [(c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+             None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+            for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
 def run(engine, prompts, params, aborts=None):
     """Step ``engine`` to the end, aborting ``aborts[step]`` request ids before that step;
     returns each request's final output and the outputs seen after its abort."""
@@ -76,13 +83,27 @@ def run(engine, prompts, params, aborts=None):
             if out.request_id in aborted:
                 after_abort.append(out.request_id)
             if out.finished:
-                final[out.request_id] = [
-                    (c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
-                     None if c.logprobs is None else [sorted(d) for d in c.logprobs])
-                    for c in sorted(out.outputs, key=lambda c: c.index)
-                ]
+                final[out.request_id] = completions(out)
         step += 1
     return final, after_abort
+
+
+def run_through(engine, prompts, params, error: type[BaseException]):
+    """Step ``engine`` to the end through steps that raise ``error`` (after each, nothing
+    is in flight and the pool is consistent); its final outputs and how many raised."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    final, raised = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except error:
+            raised += 1
+            assert error is KeyboardInterrupt or not engine.overlap.in_flight
+            engine.kv_cache.check()
+            continue
+        final.update((out.request_id, completions(out)) for out in outs if out.finished)
+    return final, raised
 
 
 def assert_clean(engine) -> None:
@@ -236,24 +257,7 @@ def test_a_failed_batch_abandons_the_one_planned_after_it(tiny_llama):
         return inner(batch)
 
     engine.executor.execute = execute
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    final, failures = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except Boom:
-            failures += 1
-            assert not engine.overlap.in_flight
-            engine.kv_cache.check()
-            continue
-        for out in outs:
-            if out.finished:
-                final[out.request_id] = [
-                    (c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
-                     None if c.logprobs is None else [sorted(d) for d in c.logprobs])
-                    for c in sorted(out.outputs, key=lambda c: c.index)
-                ]
+    final, failures = run_through(engine, prompts, params, Boom)
     assert failures == 2
     assert final == expected
     assert_clean(engine)
@@ -396,23 +400,7 @@ def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama)
         return inner(batch)
 
     engine.executor.execute = execute
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    final, interrupted = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except KeyboardInterrupt:
-            interrupted += 1
-            engine.kv_cache.check()
-            continue
-        for out in outs:
-            if out.finished:
-                final[out.request_id] = [
-                    (c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
-                     None if c.logprobs is None else [sorted(d) for d in c.logprobs])
-                    for c in sorted(out.outputs, key=lambda c: c.index)
-                ]
+    final, interrupted = run_through(engine, prompts, params, KeyboardInterrupt)
     assert interrupted == 1
     assert final == expected
     assert_clean(engine)
