@@ -461,7 +461,7 @@ def accuracy(*, repeats: int = 3, threads: int | None = 1,
     short_warmup = short_warmup if short_warmup is not None else calibration_workload(
         16, seed=102, rate=None)
     drawn = [draw(r) for r in range(repeats + 1)]  # the first: the recorded calibration
-    loops = {"sync": dict(settings)}
+    loops = {"sync": {**settings, "async_scheduling": False}}  # whatever the device's default
     if overlap:
         loops["overlap"] = {**settings, "async_scheduling": True}
 

@@ -138,7 +138,7 @@ class Engine(Intake, Observable):
             close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.overlap and self.overlap.in_flight)
+        return self.scheduler.num_unfinished > 0  # a batch in flight then holds only waste
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished

@@ -60,13 +60,15 @@ def overlap_for(engine: Any) -> Overlap | None:
 
 @attrs.define(eq=False)
 class _Flight:
-    """A batch the executor is running: when it was scheduled, its future output, and
-    when its forward began (or it ended)."""
+    """A batch the executor is running: when it was scheduled, its future output, when
+    its forward began (or it ended), and what planning it did to KV blocks (reported with
+    its commit, so a step's event says what a synchronous step's would)."""
 
     batch: ScheduledBatch
     start: float
     future: concurrent.futures.Future
     began: threading.Event
+    block_events: Any = None
 
 
 @attrs.define(eq=False)
@@ -77,6 +79,8 @@ class Overlap:
     engine: Any = attrs.field(repr=False)
     _pool: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _flight: _Flight | None = attrs.field(init=False, default=None)
+    _committing: Any = attrs.field(init=False, default=None)  # its planning's block events
+    _unreported: Any = attrs.field(init=False, default=None)  # a failed batch's, for the next
 
     def __attrs_post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -113,6 +117,7 @@ class Overlap:
             start = engine.clock()
             batch = engine.scheduler.schedule(start)
             if batch.is_empty:
+                self._committing, self._unreported = self._unreported, None
                 return engine._deliver(batch, None, start, 0.0)
             flight = self._launch(batch, start)
         following = None
@@ -123,25 +128,37 @@ class Overlap:
         try:
             output = flight.future.result()
         except Exception:
+            self._unreported = flight.block_events
             self._abandon(following)
             raise
-        # The time from scheduling to the output: the forward and its wait.
-        model_time = engine.clock() - flight.start
         if following is not None and not following.is_empty:
             self._flight = self._launch(following, now)
             # The worker prepares that batch's inputs in Python: let it reach the forward
             # (which leaves the host free) before this thread takes the GIL to commit.
             self._flight.began.wait()
-        outputs = engine._deliver(flight.batch, output, flight.start, model_time)
+        outputs = self._commit(flight, output)
         if self._flight is not None and not engine.scheduler.num_unfinished:
             # Every request ended: what was planned ahead is wasted; finish it now, so an
             # idle engine holds nothing in flight.
             outputs += self._drain()
         return outputs
 
+    def take_block_events(self) -> Any:
+        """What planning the batch being committed did to KV blocks (then forget it)."""
+        events, self._committing = self._committing, None
+        return events
+
+    def _commit(self, flight: _Flight, output: Any) -> list:
+        self._committing = flight.block_events
+        model_time = self.engine.clock() - flight.start  # scheduling to output: forward, wait
+        return self.engine._deliver(flight.batch, output, flight.start, model_time)
+
     def _launch(self, batch: ScheduledBatch, start: float) -> _Flight:
         began = threading.Event()
         executor = self.engine.executor
+        # What planning it did (and what a failed batch's planning did, never reported).
+        events = self.engine.scheduler.kv.drain_events(self._unreported)
+        self._unreported = None
 
         def run():
             executor.forward_began = began.set
@@ -150,7 +167,7 @@ class Overlap:
             finally:
                 began.set()
 
-        return _Flight(batch, start, self._pool.submit(run), began)
+        return _Flight(batch, start, self._pool.submit(run), began, events)
 
     def _may_plan_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the batch after ``batch`` may be planned before its outputs are known."""
@@ -193,10 +210,10 @@ class Overlap:
         try:
             output = flight.future.result()
         except Exception:
+            self._unreported = flight.block_events
             self.engine.scheduler.resend_rows()
             raise
-        model_time = self.engine.clock() - flight.start
-        return self.engine._deliver(flight.batch, output, flight.start, model_time)
+        return self._commit(flight, output)
 
     def shutdown(self) -> None:
         """Wait for the batch in flight and stop the worker thread."""

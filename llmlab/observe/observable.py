@@ -75,7 +75,11 @@ class Observable:
             )
         # What each plugged-in feature did this step (a KV press's compactions), by name.
         reports = {p.name: p.report() for p in self.scheduler.plugins}
-        blocks = self.scheduler.kv.drain_events()
+        # With overlapped scheduling, what planning this batch did to blocks was drained
+        # then: it is reported with the batch, as a synchronous step reports it.
+        overlap = getattr(self, "overlap", None)
+        held = None if overlap is None else overlap.take_block_events()
+        blocks = self.scheduler.kv.drain_events(held)
         event = None
         if (
             batch.entries

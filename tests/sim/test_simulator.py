@@ -41,6 +41,8 @@ ENGINE = {
     "max_num_batched_tokens": 32,
     "num_gpu_blocks_override": 40,
     "seed": 0,
+    # The simulator replays a synchronous engine's decisions (a GPU would default to overlap).
+    "async_scheduling": False,
 }
 
 
