@@ -93,7 +93,6 @@ class Observation:
         if before is not None:
             for name in (*LOGGED_EVENTS, "offload_evicted"):
                 log[name] = getattr(before, name) + log.get(name, ())
-            log["cached"] = tuple(dict.fromkeys(log["cached"]))
             tables = {**dict(before.tables), **tables}
         # A block indexed and then evicted again within the drain window ends up uncached.
         log["cached"] = tuple(b for b in log["cached"] if cached[b])

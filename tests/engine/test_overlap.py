@@ -405,3 +405,27 @@ def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama)
     assert final == expected
     assert_clean(engine)
     engine.shutdown()
+
+
+def test_step_events_say_what_a_synchronous_step_says(tiny_llama):
+    """Planning a batch ahead touches KV blocks (allocations, swaps, preemptions) before
+    the previous batch commits; those block events are reported with the batch they
+    belong to: a swap-out comes in the event that lists its preemption, and a KV view
+    replaying the events sees every block its request holds."""
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(24)]} for _ in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = {}
+    for overlapped in (False, True):
+        llm = LLM(tiny_llama, num_gpu_blocks_override=40, preemption_mode="swap",
+                  swap_space=1 / 4096, async_scheduling=overlapped, **COMMON)
+        events = []
+        llm.llm_engine.subscribe(events.append)
+        got[overlapped] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                        use_tqdm=False)]
+        swapped = [(e.step_index, rid) for e in events for rid, _ in e.swapped_out]
+        assert swapped, "the cache was meant to be small enough to swap"
+        assert all(rid in e.preempted for e in events for rid, _ in e.swapped_out)
+        assert_clean(llm.llm_engine)
+        llm.llm_engine.shutdown()
+    assert got[True] == got[False]
