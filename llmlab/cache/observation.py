@@ -80,23 +80,15 @@ class Observation:
 
     __slots__ = ()  # the manager is slotted; its fields hold this mixin's state
 
-    def drain_events(self, before: BlockEvents | None = None) -> BlockEvents:
-        """What happened to blocks and tables since the last drain (then forget it).
-        ``before``: an earlier drain to report together with this one, as if it had not
-        been drained (an overlapped engine drains what planning a batch did, and reports
-        it with the batch's commit)."""
+    def drain_events(self) -> BlockEvents:
+        """What happened to blocks and tables since the last drain (then forget it)."""
         log = {k: tuple(v) for k, v in self._log.items()}
         if self.tier is not None:
             log["offload_evicted"] = self.tier.drain_evicted()
         cached = self.pool.cached
-        tables = {rid: tuple(self._tables.get(rid, ())) for rid in self._touched}
-        if before is not None:
-            for name in (*LOGGED_EVENTS, "offload_evicted"):
-                log[name] = getattr(before, name) + log.get(name, ())
-            tables = {**dict(before.tables), **tables}
         # A block indexed and then evicted again within the drain window ends up uncached.
         log["cached"] = tuple(b for b in log["cached"] if cached[b])
-        tables = tuple(tables.items())
+        tables = tuple((rid, tuple(self._tables.get(rid, ()))) for rid in self._touched)
         for v in self._log.values():
             v.clear()
         self._touched.clear()

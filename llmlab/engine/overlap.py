@@ -60,15 +60,13 @@ def overlap_for(engine: Any) -> Overlap | None:
 
 @attrs.define(eq=False)
 class _Flight:
-    """A batch the executor is running: when it was scheduled, its future output, when
-    its forward began (or it ended), and what planning it did to KV blocks (reported with
-    its commit, so a step's event says what a synchronous step's would)."""
+    """A batch the executor is running: when it was scheduled, its future output, and
+    when its forward began (or it ended)."""
 
     batch: ScheduledBatch
     start: float
     future: concurrent.futures.Future
     began: threading.Event
-    block_events: Any = None
 
 
 @attrs.define(eq=False)
@@ -79,8 +77,10 @@ class Overlap:
     engine: Any = attrs.field(repr=False)
     _pool: concurrent.futures.ThreadPoolExecutor = attrs.field(init=False, default=None)
     _flight: _Flight | None = attrs.field(init=False, default=None)
-    _committing: Any = attrs.field(init=False, default=None)  # its planning's block events
-    _unreported: Any = attrs.field(init=False, default=None)  # a failed batch's, for the next
+    # Batches planned since the last step event (it reports their admissions and
+    # preemptions: its block events cover the same window).
+    _planned: list = attrs.field(init=False, factory=list)
+    _told: Any = attrs.field(init=False, default=None)  # (batch, as its event tells it)
 
     def __attrs_post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -115,20 +115,18 @@ class Overlap:
         flight = self._flight
         if flight is None:
             start = engine.clock()
-            batch = engine.scheduler.schedule(start)
+            batch = self._schedule(start)
             if batch.is_empty:
-                self._committing, self._unreported = self._unreported, None
-                return engine._deliver(batch, None, start, 0.0)
+                return self._commit_batch(batch, None, start)
             flight = self._launch(batch, start)
         following = None
         if self._may_plan_ahead(flight.batch):
             now = engine.clock()
-            following = engine.scheduler.schedule(now, ahead_of=flight.batch)
+            following = self._schedule(now, ahead_of=flight.batch)
         self._flight = None
         try:
             output = flight.future.result()
         except Exception:
-            self._unreported = flight.block_events
             self._abandon(following)
             raise
         if following is not None and not following.is_empty:
@@ -143,22 +141,39 @@ class Overlap:
             outputs += self._drain()
         return outputs
 
-    def take_block_events(self) -> Any:
-        """What planning the batch being committed did to KV blocks (then forget it)."""
-        events, self._committing = self._committing, None
-        return events
-
     def _commit(self, flight: _Flight, output: Any) -> list:
-        self._committing = flight.block_events
-        model_time = self.engine.clock() - flight.start  # scheduling to output: forward, wait
-        return self.engine._deliver(flight.batch, output, flight.start, model_time)
+        return self._commit_batch(flight.batch, output, flight.start)
+
+    def _commit_batch(self, batch: ScheduledBatch, output: Any, start: float) -> list:
+        """Commit ``batch``. Its step event tells what the engine did since the last one, in
+        the order it happened: the batch committed (scheduled, sampled, finished) and the
+        batches planned meanwhile (admitted, preempted: the block events of the same window
+        hold their allocations and swaps), as a synchronous step's event does for its one
+        batch."""
+        planned, self._planned = self._planned, []
+        self._told = None
+        if not (len(planned) == 1 and planned[0] is batch):
+            self._told = (batch, attrs.evolve(
+                batch, admitted=tuple(a for b in planned for a in b.admitted),
+                preempted=tuple(r for b in planned for r in b.preempted),
+            ))
+        model_time = self.engine.clock() - start if output is not None else 0.0
+        return self.engine._deliver(batch, output, start, model_time)
+
+    def as_told(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """``batch`` as its step event tells it (the admissions and preemptions of the
+        batches planned since the last event)."""
+        told, self._told = self._told, None
+        return told[1] if told is not None and told[0] is batch else batch
+
+    def _schedule(self, now: float, ahead_of: ScheduledBatch | None = None) -> ScheduledBatch:
+        batch = self.engine.scheduler.schedule(now, ahead_of=ahead_of)
+        self._planned.append(batch)
+        return batch
 
     def _launch(self, batch: ScheduledBatch, start: float) -> _Flight:
         began = threading.Event()
         executor = self.engine.executor
-        # What planning it did (and what a failed batch's planning did, never reported).
-        events = self.engine.scheduler.kv.drain_events(self._unreported)
-        self._unreported = None
 
         def run():
             executor.forward_began = began.set
@@ -167,7 +182,7 @@ class Overlap:
             finally:
                 began.set()
 
-        return _Flight(batch, start, self._pool.submit(run), began, events)
+        return _Flight(batch, start, self._pool.submit(run), began)
 
     def _may_plan_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the batch after ``batch`` may be planned before its outputs are known."""
@@ -210,7 +225,6 @@ class Overlap:
         try:
             output = flight.future.result()
         except Exception:
-            self._unreported = flight.block_events
             self.engine.scheduler.resend_rows()
             raise
         return self._commit(flight, output)

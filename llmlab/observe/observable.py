@@ -75,11 +75,10 @@ class Observable:
             )
         # What each plugged-in feature did this step (a KV press's compactions), by name.
         reports = {p.name: p.report() for p in self.scheduler.plugins}
-        # With overlapped scheduling, what planning this batch did to blocks was drained
-        # then: it is reported with the batch, as a synchronous step reports it.
+        blocks = self.scheduler.kv.drain_events()
         overlap = getattr(self, "overlap", None)
-        held = None if overlap is None else overlap.take_block_events()
-        blocks = self.scheduler.kv.drain_events(held)
+        if overlap is not None:  # the batches planned in the same window (engine/overlap.py)
+            batch = overlap.as_told(batch)
         event = None
         if (
             batch.entries

@@ -530,32 +530,3 @@ def test_failing_on_free_still_frees_everything_as_empty():
     assert len(kv.index) == 0 and kv.num_free_blocks == 4
     assert_recovers(kv)
 
-
-def test_two_drains_reported_together_equal_one_drain_over_both_windows():
-    """An overlapped engine drains what planning a batch did, then reports it with the
-    batch's commit (``drain_events(before=...)``): the result must be the drain a
-    synchronous engine would have taken once, over both windows (blocks indexed and then
-    evicted, tables changed twice, freed requests)."""
-    def ops(kv, first_window_done):
-        a, b, c = (make_request(range(s, s + 9), request_id=rid)
-                   for s, rid in ((0, "a"), (0, "b"), (40, "c")))
-        admit(kv, a)
-        admit(kv, b)  # shares a's full blocks
-        first_window_done()
-        kv.free(a)
-        admit(kv, c)
-        kv.free(b)
-        big = make_request(range(100, 120), request_id="big")
-        admit(kv, big)  # reclaims cached blocks: evicted after being indexed
-        kv.free(c)
-
-    once = KVCacheManager(num_blocks=8, block_size=4)
-    ops(once, lambda: None)
-    expected = once.drain_events()
-
-    twice = KVCacheManager(num_blocks=8, block_size=4)
-    held = []
-    ops(twice, lambda: held.append(twice.drain_events()))
-    merged = twice.drain_events(before=held[0])
-    assert merged.evicted and merged.freed and merged.prefix_hits  # the windows mattered
-    assert merged == expected
