@@ -529,4 +529,3 @@ def test_failing_on_free_still_frees_everything_as_empty():
     assert events.evicted == (table[1], table[0])  # the cached ones lost their content
     assert len(kv.index) == 0 and kv.num_free_blocks == 4
     assert_recovers(kv)
-
