@@ -333,8 +333,12 @@ def test_a_view_follows_an_async_engine_from_its_loop_thread(tiny_llama):
 
     from llmlab.entrypoints.async_engine import AsyncEngine
 
+    # Synchronous steps (also on a GPU, where overlap is the default): the decode-token
+    # count below is exact only then; an overlapped engine also schedules one slot, wasted,
+    # for each request after the step that ends it.
     engine = AsyncEngine.from_settings(tiny_llama, dtype="float32", block_size=4,
-                                       num_gpu_blocks_override=48, max_model_len=128)
+                                       num_gpu_blocks_override=48, max_model_len=128,
+                                       async_scheduling=False)
     try:
         view = KVCacheView(engine, keep_frames=True)
         timeline = SchedulerTimeline(engine)
