@@ -523,6 +523,10 @@ def measure_decode_split(
     if profile and time_math:
         raise ValueError("profile and time_math both define host_ms: pick one")
     engine = llm.llm_engine
+    if time_math and getattr(engine, "overlap", None) is not None:
+        # Overlapped steps commit one batch while the next runs: a step's wall time no
+        # longer holds its own forward, so host = wall - math means nothing.
+        raise ValueError("time_math needs a synchronous engine (async_scheduling=False)")
     model = _engine_model(engine) if time_math else None
     batch = len(prompts)
     budget = engine.config.max_num_batched_tokens

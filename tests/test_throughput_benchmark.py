@@ -468,6 +468,14 @@ def test_cpu_decode_split_times_the_model_math_and_restores_the_model(tiny_llm):
         throughput.measure_decode_split(tiny_llm, prompts, 3, profile=True, time_math=True)
 
 
+def test_cpu_decode_split_refuses_an_overlapped_engine(tiny_model_factory):
+    llm = LLM(tiny_model_factory("LlamaForCausalLM"), device="cpu", dtype="float32",
+              max_num_seqs=4, skip_tokenizer_init=True, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling=False"):
+        throughput.measure_decode_split(llm, [[5] * 20], 3, profile=False, time_math=True)
+    llm.llm_engine.shutdown()
+
+
 def test_model_math_timer_restores_the_methods_even_when_a_step_fails():
     class Model(torch.nn.Module):
         def forward(self, x):
