@@ -167,7 +167,9 @@ class EngineConfig:
         async_scheduling: overlapped scheduling (vLLM's setting): plan and start each
             step's batch while the previous one runs, so the host's scheduling and commit
             hide behind the forward (:mod:`llmlab.engine.overlap`); same tokens as the
-            synchronous engine. ``None``: on for a single-device CUDA engine, off elsewhere.
+            synchronous engine. ``None``: on for a single-device CUDA engine unless a
+            feature never lets a batch be planned ahead (speculation, a KV press), off
+            elsewhere.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most new tokens per step (prefill chunks + decodes);
             ``None`` picks 8192 on CUDA and 2048 on CPU, where activations of larger

@@ -40,14 +40,17 @@ from llmlab.scheduler.batch import ScheduledBatch
 
 def overlap_for(engine: Any) -> Overlap | None:
     """The engine's :class:`Overlap`, or None for synchronous steps: as its config's
-    ``async_scheduling`` says (None: on for a CUDA model runner). Raises ``ValueError``
-    when asked of an executor that cannot fill placeholders (``plans_ahead``)."""
+    ``async_scheduling`` says (None: on for a CUDA model runner, unless a plugin never lets
+    a batch be planned ahead, e.g. speculation or a KV press: then the thread would only
+    cost). Raises ``ValueError`` when asked of an executor that cannot fill placeholders
+    (``plans_ahead``)."""
     executor = engine.executor
     supported = getattr(executor, "plans_ahead", False)
     wanted = engine.config.async_scheduling
     if wanted is None:
         device = getattr(executor, "device", None)
-        wanted = supported and getattr(device, "type", None) == "cuda"
+        wanted = (supported and getattr(device, "type", None) == "cuda"
+                  and all(p.overrides("plans_ahead") for p in engine.scheduler.plugins))
     if not wanted:
         return None
     if not supported:

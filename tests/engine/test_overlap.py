@@ -9,6 +9,7 @@ nothing leaks."""
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from llmlab import LLM, EngineConfig, SamplingParams
 from llmlab.cache import KVCacheManager
 from llmlab.engine.engine import Engine
 from llmlab.scheduler import FCFS, Scheduler
+from llmlab.lora.schedule import LoRASchedule
+from llmlab.plugin import SchedulerPlugin
 from llmlab.scheduler.batch import PLACEHOLDER
 
 COMMON = dict(dtype="float64", block_size=4, max_model_len=96, seed=0)
@@ -281,6 +284,24 @@ def test_async_scheduling_needs_an_executor_that_fills_placeholders():
     assert build(None).overlap is None  # the default: synchronous where it cannot overlap
     with pytest.raises(ValueError, match="async_scheduling=True.*Plain"):
         build(True)
+
+    class OnCuda(Plain):  # fills placeholders, on a CUDA device: overlapped by default
+        plans_ahead = True
+        device = types.SimpleNamespace(type="cuda")
+
+    def on_cuda(plugins=()):
+        sched = Scheduler(kv=KVCacheManager(num_blocks=8, block_size=4), max_num_seqs=2,
+                          max_num_batched_tokens=16, max_model_len=32, plugins=plugins)
+        return Engine(config=EngineConfig(model="cost-model"), scheduler=sched,
+                      executor=OnCuda(), tokenizer=None, vocab_size=100, max_model_len=32,
+                      eos_token_ids=frozenset())
+
+    for plugins, overlapped in (((), True), ((LoRASchedule(2),), True),
+                                # one never letting a batch be planned ahead: no thread
+                                ((SchedulerPlugin(),), False)):
+        engine = on_cuda(plugins)
+        assert (engine.overlap is not None) is overlapped, plugins
+        engine.shutdown()
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         EngineConfig(model="m", async_scheduling="sometimes")
 
