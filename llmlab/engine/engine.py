@@ -181,19 +181,20 @@ class Engine(Intake, Observable):
             return self._deliver(batch, output, start, model_time)
 
     def _deliver(self, batch: ScheduledBatch, output: BatchOutput | None, start: float,
-                 model_time: float) -> list[RequestOutput]:
-        """Commit an executed batch, tell the observers, raise what failed, return outputs."""
+                 model_time: float, told: ScheduledBatch | None = None) -> list[RequestOutput]:
+        """Commit an executed batch, tell the observers, raise what failed, return outputs.
+        ``told``: the batch as its step event tells it (overlapped: :mod:`.overlap`)."""
         with deferred_interrupts():
-            event, errors = self._commit(batch, output, start, model_time)
+            event, errors = self._commit(batch, output, start, model_time, told)
         if event is not None:
             notify(self.observers, event)
         raise_first(errors)
         outputs, self._undelivered = self._undelivered, []
         return outputs
 
-    def _commit(
-        self, batch: ScheduledBatch, output: BatchOutput | None, start: float, model_time: float
-    ) -> tuple[StepEvent | None, list[Exception]]:
+    def _commit(self, batch: ScheduledBatch, output: BatchOutput | None, start: float,
+                model_time: float, told: ScheduledBatch | None = None,
+                ) -> tuple[StepEvent | None, list[Exception]]:
         requests = self._requests
         finished: list[Request] = []
         progressed: list[tuple[Request, int]] = []  # (request, outputs before this step)
@@ -227,8 +228,8 @@ class Engine(Intake, Observable):
         for request in finished + failed:
             self._forget(request)
 
-        event = self._step_event(batch, output, batch_requests, finished + failed, progressed,
-                                 bool(failed), start, model_time)
+        event = self._step_event(batch if told is None else told, output, batch_requests,
+                                 finished + failed, progressed, bool(failed), start, model_time)
         return event, errors
 
     def _forget(self, request: Request) -> None:

@@ -83,7 +83,6 @@ class Overlap:
     # Batches planned since the last step event (it reports their admissions and
     # preemptions: its block events cover the same window).
     _planned: list = attrs.field(init=False, factory=list)
-    _told: Any = attrs.field(init=False, default=None)  # (batch, as its event tells it)
 
     def __attrs_post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -120,7 +119,7 @@ class Overlap:
             start = engine.clock()
             batch = self._schedule(start)
             if batch.is_empty:
-                return self._commit_batch(batch, None, start)
+                return self._commit(batch, None, start)
             flight = self._launch(batch, start)
         following = None
         if self._may_plan_ahead(flight.batch):
@@ -137,37 +136,28 @@ class Overlap:
             # The worker prepares that batch's inputs in Python: let it reach the forward
             # (which leaves the host free) before this thread takes the GIL to commit.
             self._flight.began.wait()
-        outputs = self._commit(flight, output)
+        outputs = self._commit(flight.batch, output, flight.start)
         if self._flight is not None and not engine.scheduler.num_unfinished:
             # Every request ended: what was planned ahead is wasted; finish it now, so an
             # idle engine holds nothing in flight.
             outputs += self._drain()
         return outputs
 
-    def _commit(self, flight: _Flight, output: Any) -> list:
-        return self._commit_batch(flight.batch, output, flight.start)
-
-    def _commit_batch(self, batch: ScheduledBatch, output: Any, start: float) -> list:
+    def _commit(self, batch: ScheduledBatch, output: Any, start: float) -> list:
         """Commit ``batch``. Its step event tells what the engine did since the last one, in
         the order it happened: the batch committed (scheduled, sampled, finished) and the
         batches planned meanwhile (admitted, preempted: the block events of the same window
         hold their allocations and swaps), as a synchronous step's event does for its one
         batch."""
         planned, self._planned = self._planned, []
-        self._told = None
+        told = None
         if not (len(planned) == 1 and planned[0] is batch):
-            self._told = (batch, attrs.evolve(
+            told = attrs.evolve(
                 batch, admitted=tuple(a for b in planned for a in b.admitted),
                 preempted=tuple(r for b in planned for r in b.preempted),
-            ))
+            )
         model_time = self.engine.clock() - start if output is not None else 0.0
-        return self.engine._deliver(batch, output, start, model_time)
-
-    def as_told(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """``batch`` as its step event tells it (the admissions and preemptions of the
-        batches planned since the last event)."""
-        told, self._told = self._told, None
-        return told[1] if told is not None and told[0] is batch else batch
+        return self.engine._deliver(batch, output, start, model_time, told)
 
     def _schedule(self, now: float, ahead_of: ScheduledBatch | None = None) -> ScheduledBatch:
         batch = self.engine.scheduler.schedule(now, ahead_of=ahead_of)
@@ -230,7 +220,7 @@ class Overlap:
         except Exception:
             self.engine.scheduler.resend_rows()
             raise
-        return self._commit(flight, output)
+        return self._commit(flight.batch, output, flight.start)
 
     def shutdown(self) -> None:
         """Wait for the batch in flight and stop the worker thread."""

@@ -76,9 +76,6 @@ class Observable:
         # What each plugged-in feature did this step (a KV press's compactions), by name.
         reports = {p.name: p.report() for p in self.scheduler.plugins}
         blocks = self.scheduler.kv.drain_events()
-        overlap = getattr(self, "overlap", None)
-        if overlap is not None:  # the batches planned in the same window (engine/overlap.py)
-            batch = overlap.as_told(batch)
         event = None
         if (
             batch.entries

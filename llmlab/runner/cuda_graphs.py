@@ -120,7 +120,7 @@ class DecodeGraphs:
         entries = batch.entries
         if self.disabled is not None or not entries:
             return None
-        if any(len(e.token_ids) != 1 for e in entries):
+        if len(columns_of(batch).token_ids) != len(entries):  # not one token each
             return None
         size = self.size_for(len(entries))
         if size is None:

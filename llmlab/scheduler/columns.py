@@ -36,10 +36,13 @@ class BatchColumns:
     @classmethod
     def of(cls, entries: Sequence[Any]) -> BatchColumns:
         n = len(entries)
+        # One pass over the entries (this runs every step): one row per entry, then one
+        # contiguous row per column.
         table = np.array(
-            [(e.row, e.start, len(e.token_ids), e.blocks_from, len(e.blocks), e.num_scored)
+            [(e.row, e.start, len(e.token_ids), e.blocks_from, len(e.blocks), e.num_scored,
+              len(e.forks), e.prompt_logprobs_from, e.num_lookahead, e.setup is not None)
              for e in entries], dtype=np.int64,
-        ).reshape(n, 6).T.copy()  # one contiguous row per column
+        ).reshape(n, 10).T.copy()
         table.flags.writeable = False  # read-only, as everything in a batch
         lens = table[2]
         total = int(lens.sum())
@@ -47,11 +50,10 @@ class BatchColumns:
             token_ids = np.fromiter((e.token_ids[0] for e in entries), np.int64, n)
         else:
             token_ids = np.fromiter((t for e in entries for t in e.token_ids), np.int64, total)
-        plain = bool((table[5] == 1).all()) and not any(
-            e.forks or e.prompt_logprobs_from >= 0 or e.num_lookahead for e in entries
-        )
-        setups = tuple(i for i, e in enumerate(entries) if e.setup is not None)
         token_ids.flags.writeable = False
+        plain = bool((table[5] == 1).all() and not table[6].any() and (table[7] < 0).all()
+                     and not table[8].any())
+        setups = tuple(np.flatnonzero(table[9]).tolist())
         return cls(table[0], table[1], lens, table[3], table[4], token_ids, setups, plain)
 
 

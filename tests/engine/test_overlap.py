@@ -240,31 +240,39 @@ class Boom(RuntimeError):
     pass
 
 
-def test_a_failed_batch_abandons_the_one_planned_after_it(tiny_llama):
-    prompts, params = workload(12, seed=5)
-    llm = LLM(tiny_llama, max_num_seqs=4, num_gpu_blocks_override=24, async_scheduling=False,
-              **COMMON)
-    expected, _ = run(llm.llm_engine, prompts, params)
-    llm = LLM(tiny_llama, max_num_seqs=4, num_gpu_blocks_override=24, async_scheduling=True,
-              **COMMON)
-    engine = llm.llm_engine
+def matches_synchronous_through(tiny_llama, prompts, params, fault, error, **settings) -> int:
+    """Run the workload on an overlapped engine whose executor calls ``fault(batch)``
+    first, through every step that raises ``error``: its final outputs are the synchronous
+    engine's and nothing leaks. Returns how many steps raised."""
+    expected, _ = run(LLM(tiny_llama, async_scheduling=False, **settings, **COMMON).llm_engine,
+                      prompts, params)
+    engine = LLM(tiny_llama, async_scheduling=True, **settings, **COMMON).llm_engine
     inner = engine.executor.execute
-    calls = {"n": 0, "planned": 0}
 
     def execute(batch):
-        calls["n"] += 1
-        if any(PLACEHOLDER in e.token_ids for e in batch.entries):
-            calls["planned"] += 1
-            if calls["planned"] in (3, 9):  # a batch planned ahead fails in the forward
-                raise Boom("the device fell over")
+        fault(batch)
         return inner(batch)
 
     engine.executor.execute = execute
-    final, failures = run_through(engine, prompts, params, Boom)
-    assert failures == 2
+    final, raised = run_through(engine, prompts, params, error)
     assert final == expected
     assert_clean(engine)
     engine.shutdown()
+    return raised
+
+
+def test_a_failed_batch_abandons_the_one_planned_after_it(tiny_llama):
+    prompts, params = workload(12, seed=5)
+    planned = [0]
+
+    def fault(batch):
+        if any(PLACEHOLDER in e.token_ids for e in batch.entries):
+            planned[0] += 1
+            if planned[0] in (3, 9):  # a batch planned ahead fails in the forward
+                raise Boom("the device fell over")
+
+    assert matches_synchronous_through(tiny_llama, prompts, params, fault, Boom,
+                                       max_num_seqs=4, num_gpu_blocks_override=24) == 2
 
 
 def test_async_scheduling_needs_an_executor_that_fills_placeholders():
@@ -406,33 +414,23 @@ def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama)
     import threading
 
     prompts, params = workload(8, seed=21)
-    expected, _ = run(LLM(tiny_llama, async_scheduling=False, **COMMON).llm_engine,
-                      prompts, params)
-    llm = LLM(tiny_llama, async_scheduling=True, **COMMON)
-    engine = llm.llm_engine
-    inner = engine.executor.execute
-    calls = {"n": 0}
+    calls = [0]
     main = threading.main_thread().ident
 
-    def execute(batch):
-        calls["n"] += 1
-        if calls["n"] == 4:
+    def fault(batch):
+        calls[0] += 1
+        if calls[0] == 4:
             signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C while this batch runs
-        return inner(batch)
 
-    engine.executor.execute = execute
-    final, interrupted = run_through(engine, prompts, params, KeyboardInterrupt)
-    assert interrupted == 1
-    assert final == expected
-    assert_clean(engine)
-    engine.shutdown()
+    assert matches_synchronous_through(tiny_llama, prompts, params, fault,
+                                       KeyboardInterrupt) == 1
 
 
 def test_step_events_say_what_a_synchronous_step_says(tiny_llama):
     """Planning a batch ahead touches KV blocks (allocations, swaps, preemptions) before
-    the previous batch commits; those block events are reported with the batch they
-    belong to: a swap-out comes in the event that lists its preemption, and a KV view
-    replaying the events sees every block its request holds."""
+    the previous batch commits. A step's event covers one window of time: the batch it
+    committed, and the batches planned meanwhile with their block events, so a swap-out
+    comes in the event that lists its preemption."""
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(24)]} for _ in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
