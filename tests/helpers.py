@@ -16,6 +16,8 @@ _ids = itertools.count()
 # `llmlab generate` / `serve` run by the CLI tests: on CUDA an explicit KV cache size, so a
 # subprocess does not claim 90% of a GPU that other tests (and xdist workers) share.
 CLI_KV_FLAGS = ["--kv-cache-memory-bytes", str(256 << 20)] if torch.cuda.is_available() else []
+# The same for an engine built in a Python subprocess (tests/conftest.py's cap does not reach it).
+SUBPROCESS_KV = {"kv_cache_memory_bytes": 256 << 20} if torch.cuda.is_available() else {}
 
 
 def subprocess_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:

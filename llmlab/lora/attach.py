@@ -14,6 +14,7 @@ from llmlab.lora.store import AdapterStore
 from llmlab.lora.targets import LoRATargets
 
 KERNELS = ("torch", "triton")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def attach_lora(
@@ -34,9 +35,18 @@ def attach_lora(
     adapter's updates by the base weights measured here). ``kernel``: ``"triton"`` (CUDA's
     default) or ``"torch"``."""
     targets = LoRATargets.of(model)
-    kernel = kernel or ("triton" if device.type == "cuda" else "torch")
+    # The Triton kernels accumulate in float32 on the tensor cores: float64 weights (the
+    # parity tests' dtype) take torch's path, on CUDA too.
+    triton_ok = device.type == "cuda" and dtype in TRITON_DTYPES
+    kernel = kernel or ("triton" if triton_ok else "torch")
     if kernel not in KERNELS:
         raise ValueError(f"LoRA kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "triton" and not triton_ok:
+        raise ValueError(
+            f"LoRA kernel 'triton' needs a CUDA device and a dtype in "
+            f"{[str(d).removeprefix('torch.') for d in TRITON_DTYPES]}, got {device.type} "
+            f"and {str(dtype).removeprefix('torch.')}; use 'torch'"
+        )
     # Measured before wrapping, on the modules as they will run (packed, quantized).
     norms = {
         t.path: base_norms(model.get_submodule(t.path), t, dtype, device)

@@ -24,7 +24,7 @@ import pytest
 from llmlab import LLM, SamplingParams, StructuredOutputsParams
 from llmlab.request import Request
 from llmlab.scheduler.batch import ScheduledBatch
-from tests.helpers import subprocess_env
+from tests.helpers import SUBPROCESS_KV, subprocess_env
 
 SETTINGS = dict(dtype="float32", block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
                 max_model_len=96, seed=0, enable_prefix_caching=True)
@@ -99,7 +99,7 @@ def test_a_pickled_batch_runs_on_a_second_runner_in_a_fresh_process(recorded, ti
         import json, pickle, sys
         from llmlab import LLM
         from tests.engine.test_step_contract import SETTINGS, _tokens
-        runner = LLM({tiny_llama!r}, **SETTINGS).llm_engine.executor
+        runner = LLM({tiny_llama!r}, **SETTINGS, **{SUBPROCESS_KV!r}).llm_engine.executor
         outputs = [_tokens(runner.execute(pickle.loads(b)))
                    for b in pickle.loads(open({str(path)!r}, "rb").read())]
         json.dump(outputs, sys.stdout)

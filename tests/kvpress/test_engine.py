@@ -35,7 +35,7 @@ def _prompts(vocab: int, lengths=(23, 40, 57)) -> list[list[int]]:
     return [rng.sample(range(3, vocab), n) for n in lengths]
 
 
-def _llm(path, backend="cpu", **settings) -> LLM:
+def _llm(path, backend=BACKENDS[0], **settings) -> LLM:
     settings.setdefault("num_gpu_blocks_override", 64)
     settings.setdefault("max_model_len", 256)
     return LLM(

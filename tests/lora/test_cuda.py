@@ -72,3 +72,13 @@ def test_engine_with_adapters_and_decode_graphs_on_cuda(tiny_llama, adapter_fact
     assert greedy(llm, prompts) == base_first  # graphs again, with no stale slot index
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.disabled is None and graphs.captured
+
+
+def test_float64_adapters_on_cuda_take_the_torch_kernel(tiny_llama, adapter_factory):
+    """The Triton kernels accumulate in float32: a float64 engine (the parity tests' dtype)
+    serves adapters through torch's path, and matches PEFT."""
+    lora = LoRARequest("f64", 1, adapter_factory(tiny_llama, "cuda-f64", r=8, seed=33))
+    llm = LLM(tiny_llama, device="cuda", dtype="float64", enable_lora=True, max_loras=1)
+    assert llm.llm_engine.executor.plugin("lora").kernel == "torch"
+    prompt = [5, 17, 42, 9, 100, 3]
+    assert greedy(llm, [prompt], [lora]) == peft_greedy(tiny_llama, lora.lora_path, [prompt], 8)

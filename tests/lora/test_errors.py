@@ -124,3 +124,19 @@ def test_unsupported_combinations_are_refused_before_loading(tiny_llama, setting
 def test_architectures_outside_the_llama_family_are_refused(tiny_model_factory):
     with pytest.raises(ValueError, match="Llama family"):
         LLM(tiny_model_factory("GPT2LMHeadModel"), enable_lora=True)
+
+
+def test_the_triton_kernel_is_refused_where_it_cannot_run(tiny_llama):
+    """The SGMV Triton kernels need CUDA and a float32/16-bit dtype; asked for elsewhere,
+    the error names the kernel, the device and the dtype (the default picks torch)."""
+    import torch
+
+    from llmlab.lora.attach import attach_lora
+    from llmlab.models.loader import load_model
+
+    from transformers import AutoConfig
+
+    model = load_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), torch.float64, "cpu")
+    with pytest.raises(ValueError, match=r"'triton' needs a CUDA device.*cpu and float64"):
+        attach_lora(model, max_loras=1, max_lora_rank=8, max_cpu_loras=None, max_num_seqs=2,
+                    dtype=torch.float64, device=torch.device("cpu"), kernel="triton")
