@@ -7,7 +7,8 @@ torch releases the GIL inside its kernels) and :meth:`Overlap.step` is::
 
     plan batch N+1 while batch N runs  (its spans count as computed; each token it samples
                                         is a PLACEHOLDER the runner fills from its row)
-    wait for batch N; start batch N+1
+    queue N+1 behind N on the worker   (it starts as soon as N's tokens are in)
+    wait for batch N and N+1's start
     commit batch N                     (while N+1 runs)
 
 so the host's scheduling and commit hide behind the forward. What it costs: a request
@@ -121,21 +122,28 @@ class Overlap:
             if batch.is_empty:
                 return self._commit(batch, None, start)
             flight = self._launch(batch, start)
-        following = None
+        following = queued = None
         if self._may_plan_ahead(flight.batch):
             now = engine.clock()
             following = self._schedule(now, ahead_of=flight.batch)
+            if not following.is_empty:
+                # Queued behind batch N on the worker, which starts it the moment N's tokens
+                # are in (no hand-off through this thread while the device waits); skipped
+                # there if N fails.
+                queued = self._launch(following, now, after=flight.future)
         self._flight = None
         try:
             output = flight.future.result()
         except Exception:
+            if queued is not None:
+                concurrent.futures.wait([queued.future])
             self._abandon(following)
             raise
-        if following is not None and not following.is_empty:
-            self._flight = self._launch(following, now)
+        if queued is not None:
+            self._flight = queued
             # The worker prepares that batch's inputs in Python: let it reach the forward
             # (which leaves the host free) before this thread takes the GIL to commit.
-            self._flight.began.wait()
+            queued.began.wait()
         outputs = self._commit(flight.batch, output, flight.start)
         if self._flight is not None and not engine.scheduler.num_unfinished:
             # Every request ended: what was planned ahead is wasted; finish it now, so an
@@ -164,11 +172,17 @@ class Overlap:
         self._planned.append(batch)
         return batch
 
-    def _launch(self, batch: ScheduledBatch, start: float) -> _Flight:
+    def _launch(self, batch: ScheduledBatch, start: float,
+                after: concurrent.futures.Future | None = None) -> _Flight:
+        """Submit ``batch`` to the worker; ``after``: the future of the batch it was planned
+        ahead of (done when the single worker reaches this one), whose failure skips it."""
         began = threading.Event()
         executor = self.engine.executor
 
         def run():
+            if after is not None and after.exception() is not None:
+                began.set()
+                return None  # never read: the failure of ``after`` abandons this batch
             executor.forward_began = began.set
             try:
                 return executor.execute(batch)

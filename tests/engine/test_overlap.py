@@ -18,6 +18,7 @@ import pytest
 from llmlab import LLM, EngineConfig, SamplingParams
 from llmlab.cache import KVCacheManager
 from llmlab.engine.engine import Engine
+from llmlab.engine.overlap import Overlap
 from llmlab.scheduler import FCFS, Scheduler
 from llmlab.lora.schedule import LoRASchedule
 from llmlab.plugin import SchedulerPlugin
@@ -240,28 +241,46 @@ class Boom(RuntimeError):
     pass
 
 
-def matches_synchronous_through(tiny_llama, prompts, params, fault, error, **settings) -> int:
+def matches_synchronous_through(monkeypatch, tiny_llama, prompts, params, fault, error,
+                                **settings) -> int:
     """Run the workload on an overlapped engine whose executor calls ``fault(batch)``
     first, through every step that raises ``error``: its final outputs are the synchronous
-    engine's and nothing leaks. Returns how many steps raised."""
+    engine's, nothing leaks, and no batch planned ahead of a failed one ever reached the
+    executor (it is queued behind it on the worker). Returns how many steps raised."""
     expected, _ = run(LLM(tiny_llama, async_scheduling=False, **settings, **COMMON).llm_engine,
                       prompts, params)
     engine = LLM(tiny_llama, async_scheduling=True, **settings, **COMMON).llm_engine
     inner = engine.executor.execute
+    executed, failed, planned_after = [], [], {}
+    schedule = Overlap._schedule
+
+    def plan(self, now, ahead_of=None):
+        batch = schedule(self, now, ahead_of)
+        if ahead_of is not None:
+            planned_after[id(ahead_of)] = batch
+        return batch
 
     def execute(batch):
-        fault(batch)
+        executed.append(batch)
+        try:
+            fault(batch)
+        except error:
+            failed.append(batch)
+            raise
         return inner(batch)
 
+    monkeypatch.setattr(Overlap, "_schedule", plan)
     engine.executor.execute = execute
     final, raised = run_through(engine, prompts, params, error)
     assert final == expected
     assert_clean(engine)
     engine.shutdown()
+    abandoned = [planned_after[id(b)] for b in failed if id(b) in planned_after]
+    assert not any(a is b for a in abandoned for b in executed)
     return raised
 
 
-def test_a_failed_batch_abandons_the_one_planned_after_it(tiny_llama):
+def test_a_failed_batch_abandons_the_one_planned_after_it(monkeypatch, tiny_llama):
     prompts, params = workload(12, seed=5)
     planned = [0]
 
@@ -271,7 +290,7 @@ def test_a_failed_batch_abandons_the_one_planned_after_it(tiny_llama):
             if planned[0] in (3, 9):  # a batch planned ahead fails in the forward
                 raise Boom("the device fell over")
 
-    assert matches_synchronous_through(tiny_llama, prompts, params, fault, Boom,
+    assert matches_synchronous_through(monkeypatch, tiny_llama, prompts, params, fault, Boom,
                                        max_num_seqs=4, num_gpu_blocks_override=24) == 2
 
 
@@ -406,7 +425,7 @@ def test_streams_through_the_async_engine_match(tiny_llama):
     assert overlapped[3][1][:5] == sync[3][1][:5]
 
 
-def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama):
+def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(monkeypatch, tiny_llama):
     """A SIGINT while the executor thread runs a batch: the step still commits it (a batch
     cannot be stopped mid-forward), then raises KeyboardInterrupt; the engine goes on to
     the synchronous engine's tokens."""
@@ -422,7 +441,7 @@ def test_ctrl_c_during_an_overlapped_step_is_raised_after_its_commit(tiny_llama)
         if calls[0] == 4:
             signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C while this batch runs
 
-    assert matches_synchronous_through(tiny_llama, prompts, params, fault,
+    assert matches_synchronous_through(monkeypatch, tiny_llama, prompts, params, fault,
                                        KeyboardInterrupt) == 1
 
 
