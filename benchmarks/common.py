@@ -413,6 +413,43 @@ def device_busy_us(trace_events: Iterable[Mapping]) -> tuple[float, int]:
     return busy, len(intervals)
 
 
+def _device_activities(trace_events: Iterable[Mapping]) -> list[Mapping]:
+    return [e for e in trace_events
+            if e.get("ph") == "X" and e.get("cat", "").lower() in DEVICE_ACTIVITY_CATEGORIES]
+
+
+def device_gaps_us(trace_events: Iterable[Mapping]) -> list[float]:
+    """The idle stretches of the device in a profiler chrome trace: the gaps (microseconds)
+    between consecutive stretches of the union of its activities (as
+    :func:`device_busy_us` takes them), in time order."""
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                       for e in _device_activities(trace_events))
+    gaps, end = [], None
+    for start, stop in intervals:
+        if end is not None and start > end:
+            gaps.append(start - end)
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
+def device_kernel_table(trace_events: Iterable[Mapping], top: int = 12) -> list[dict]:
+    """The device activities of a profiler trace grouped by name, the most device time
+    first: ``name``, ``total_us`` and ``calls`` for the ``top`` largest, and one ``(rest)``
+    row for the others (so the table sums to the whole)."""
+    totals: dict[str, list] = {}
+    for e in _device_activities(trace_events):
+        row = totals.setdefault(str(e.get("name", "?")), [0.0, 0])
+        row[0] += float(e.get("dur", 0.0))
+        row[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    table = [{"name": n, "total_us": t, "calls": c} for n, (t, c) in ranked[:top]]
+    rest = ranked[top:]
+    if rest:
+        table.append({"name": f"(rest: {len(rest)} more)", "total_us": sum(t for _, (t, _c) in rest),
+                      "calls": sum(c for _, (_t, c) in rest)})
+    return table
+
+
 # ---------------------------------------------------------------------------- CUDA rates
 
 

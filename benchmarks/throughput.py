@@ -161,6 +161,8 @@ from benchmarks.common import (
     count_workload_flops,
     cuda_matmul_shapes,
     device_busy_us,
+    device_gaps_us,
+    device_kernel_table,
     make_workload,
     measure_cpu_matmul_rates,
     measure_cpu_read_bytes_per_s,
@@ -598,12 +600,23 @@ def measure_decode_split(
                           host_stages_ms=host_stages(stages, math["seconds"], sum(walls),
                                                      num_steps))
         if profile:
-            busy_us, activities, profiled = _profile_steps(engine, num_steps)
+            trace, profiled = _profile_steps(engine, num_steps)
+            busy_us, activities = device_busy_us(trace)
+            if activities == 0:
+                raise RuntimeError("the profiler trace has no kernel, memcpy or memset events")
+            # Idle stretches of the device: those over 50 us are where it waited on the host
+            # between kernels (under the profiler, whose host overhead lengthens them).
+            gaps = [g for g in device_gaps_us(trace) if g > 50.0]
             result.update(
                 gpu_ms=busy_us / 1e3 / num_steps,
                 host_ms=result["wall_ms"] - busy_us / 1e3 / num_steps,
                 profiled_wall_ms=1e3 * profiled / num_steps,
                 num_device_activities=activities,
+                profiled_gaps={"over_us": 50.0, "per_step": len(gaps) / num_steps,
+                               "ms_per_step": sum(gaps) / 1e3 / num_steps,
+                               "largest_us": max(gaps, default=0.0)},
+                kernels=[dict(k, us_per_step=k["total_us"] / num_steps)
+                         for k in device_kernel_table(trace)],
             )
         measured = events[first_event:]
         if len(measured) != num_steps * (2 if profile else 1) or not all(map(full_decode, measured)):
@@ -746,9 +759,9 @@ def host_stages(totals: dict[str, float], math_s: float, wall_s: float, steps: i
     return parts
 
 
-def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
-    """Run ``num_steps`` engine steps under the torch profiler; (device busy µs, device
-    activities, wall seconds)."""
+def _profile_steps(engine, num_steps: int) -> tuple[list, float]:
+    """Run ``num_steps`` engine steps under the torch profiler; (the trace's events, wall
+    seconds)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -762,11 +775,7 @@ def _profile_steps(engine, num_steps: int) -> tuple[float, int, float]:
         path = pathlib.Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    busy_us, activities = device_busy_us(events)
-    if activities == 0:
-        raise RuntimeError("the profiler trace has no kernel, memcpy or memset events")
-    return busy_us, activities, wall_s
+    return (trace["traceEvents"] if isinstance(trace, dict) else trace), wall_s
 
 
 # ---------------------------------------------------------------------------- HF static
@@ -1358,6 +1367,14 @@ def print_cuda_report(
             f"{decode['profiled_wall_ms']:.2f} ms wall, {decode['num_device_activities']} "
             "device activities)"
         )
+        gaps = decode.get("profiled_gaps")
+        if gaps:
+            print(f"  profiled: {gaps['per_step']:.1f} device gaps > {gaps['over_us']:.0f} us "
+                  f"per step, {gaps['ms_per_step']:.3f} ms idle in them per step, largest "
+                  f"{gaps['largest_us']:.0f} us")
+        for k in decode.get("kernels") or ():
+            print(f"    {k['us_per_step']:9.1f} us/step {k['calls'] / decode['num_steps']:6.1f} "
+                  f"calls/step  {k['name'][:90]}")
 
 
 def run_mode_isolated(mode: str, model_dir: pathlib.Path, args) -> RunResult | None:

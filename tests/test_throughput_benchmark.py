@@ -20,6 +20,8 @@ from benchmarks.common import (
     StepWork,
     checkpoint_numel,
     device_busy_us,
+    device_gaps_us,
+    device_kernel_table,
     measure_cpu_matmul_rates,
     measure_cpu_rate_curve,
     measure_cpu_read_bytes_per_s,
@@ -421,6 +423,19 @@ def test_device_busy_time_is_the_union_of_device_activities():
     ]
     assert device_busy_us(trace) == (15.0 + 2.0 + 0.5, 5)
     assert device_busy_us([]) == (0.0, 0)
+    assert device_gaps_us(trace) == [5.0, 8.0]  # 15 -> 20, 22 -> 30
+    assert device_gaps_us([]) == []
+
+
+def test_the_kernel_table_ranks_device_time_by_name_and_sums_to_the_whole():
+    trace = [{"ph": "X", "cat": "kernel", "name": n, "ts": 0.0, "dur": d}
+             for n, d in [("gemm", 5.0), ("norm", 1.0), ("gemm", 5.0), ("rope", 2.0),
+                          ("silu", 0.5)]]
+    trace.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 99.0})
+    table = device_kernel_table(trace, top=2)
+    assert table == [{"name": "gemm", "total_us": 10.0, "calls": 2},
+                     {"name": "rope", "total_us": 2.0, "calls": 1},
+                     {"name": "(rest: 2 more)", "total_us": 1.5, "calls": 2}]
 
 
 # ---------------------------------------------------------------------------- on a real engine
@@ -560,10 +575,13 @@ def test_the_cuda_path_end_to_end_with_stand_ins_for_the_gpu(
     monkeypatch.setattr(throughput, "build_llmlab", build_on_cpu)
 
     def profile_steps(engine, num_steps):
-        # 2 ms of device time over the 4 profiled steps, which took 4 ms of wall time.
+        # 2 ms of device time over the 4 profiled steps, which took 4 ms of wall time: one
+        # kernel of 500 us a step, then a 300 us gap (the last step's is outside the trace).
         for _ in range(num_steps):
             engine.step()
-        return 2000.0, 77, 0.004
+        trace = [{"ph": "X", "cat": "kernel", "name": "step", "ts": 800.0 * i, "dur": 500.0}
+                 for i in range(num_steps)]
+        return trace, 0.004
 
     monkeypatch.setattr(throughput, "_profile_steps", profile_steps)
     out = tmp_path / "cuda.json"
@@ -591,6 +609,10 @@ def test_the_cuda_path_end_to_end_with_stand_ins_for_the_gpu(
     assert decode["batch"] == 4 and decode["gpu_ms"] == 0.5
     assert decode["host_ms"] == pytest.approx(decode["wall_ms"] - 0.5)
     assert decode["profiled_wall_ms"] == pytest.approx(1.0)
+    assert decode["profiled_gaps"]["ms_per_step"] == pytest.approx(0.3 * 3 / 4)
+    assert decode["kernels"] == [{"name": "step", "total_us": 2000.0, "calls": 4,
+                                  "us_per_step": 500.0}]
+    assert "0.225 ms idle in them per step" in text
 
 
 @pytest.mark.slow  # the whole benchmark on CPU, Hugging Face's generate included: 20-40 s
