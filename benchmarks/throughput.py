@@ -283,6 +283,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and SiLU x up",
     )
     parser.add_argument(
+        "--no-cuda-fused-ops", dest="cuda_fused_ops", action="store_false",
+        help="llmlab on CUDA: plain torch ops instead of the Triton residual+norm, rotary "
+        "and SiLU x up",
+    )
+    parser.add_argument(
         "--decode-batch", type=int,
         help="running requests for the decode step split after llmlab's timed run: host "
         "work vs model math on cpu, GPU/host on cuda (capped by the workload and "
@@ -401,6 +406,8 @@ def build_llmlab(model_dir: pathlib.Path, workload: Workload, args: argparse.Nam
         extra["cpu_linear"] = args.cpu_linear
     if not getattr(args, "cpu_fused_ops", True):
         extra["cpu_fused_ops"] = False
+    if not getattr(args, "cuda_fused_ops", True):
+        extra["cuda_fused_ops"] = False
     if getattr(args, "async_scheduling", "auto") != "auto":
         extra["async_scheduling"] = args.async_scheduling == "on"
     shared = dict(

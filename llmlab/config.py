@@ -198,6 +198,10 @@ class EngineConfig:
         cpu_fused_ops: on CPU, run the Llama family's residual add + RMSNorm, rotary
             embedding and SiLU x up as fused C++ kernels (``llmlab.kernels.fused``) when
             llmlab's CPU kernels load; ``False`` keeps the plain torch ops.
+        cuda_fused_ops: on CUDA, the same three as Triton kernels
+            (``llmlab.kernels.triton_fused``), after a check at engine build that each
+            compiles and matches the torch ops at the model's sizes (else a warning and the
+            torch ops); ``False`` keeps the plain torch ops.
         cpu_threads: torch/OpenMP threads for CPU work (process-wide, like
             ``torch.set_num_threads``). ``None``: the ``LLMLAB_CPU_THREADS`` environment
             variable if set, else torch's count as ``OMP_NUM_THREADS`` set it, else the
@@ -387,6 +391,7 @@ class EngineConfig:
         ),
     )
     cpu_fused_ops: bool = attrs.field(default=True, converter=_flag("cpu_fused_ops"))
+    cuda_fused_ops: bool = attrs.field(default=True, converter=_flag("cuda_fused_ops"))
     cpu_threads: int | None = attrs.field(
         default=None, converter=_positive("cpu_threads", allow_none=True)
     )

@@ -42,6 +42,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="on CPU: prepacked oneDNN linears or F.linear (default auto)")
     parser.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=True,
                         help="on CPU: fused C++ residual+norm, rotary, SiLU x up (default on)")
+    parser.add_argument("--cuda-fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA: the same as Triton kernels (default on)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch/OpenMP threads (default: $LLMLAB_CPU_THREADS, else "
                         "$OMP_NUM_THREADS, else the cores this process may use)")

@@ -1,4 +1,5 @@
-"""Fused elementwise ops for the CPU fast path, each with its plain-torch equivalent.
+"""Fused elementwise ops for the CPU fast path (and CUDA's), each with its plain-torch
+equivalent.
 
 (Greedy sampling's fused argmax + logprob is :func:`llmlab.sampling.greedy.argmax_logprob`.)
 
@@ -9,8 +10,10 @@ dispatches and passes over memory than in arithmetic. Each function here runs on
 kernel from :mod:`llmlab.kernels.cpu_kernels` when every tensor is a contiguous CPU
 float32/bfloat16 tensor of one dtype and the kernels load, and the torch chain otherwise.
 Both round at the same points, so float32 results differ only in summation order and
-bfloat16 ones agree to the last rounding of a sum. :func:`apply_rotary`, rotary's torch
-chain, lives here too, so the models take it from here.
+bfloat16 ones agree to the last rounding of a sum. Contiguous CUDA tensors go to the
+Triton kernels of :mod:`llmlab.kernels.triton_fused`, which round at the same points
+too. :func:`apply_rotary`, rotary's torch chain, lives here too, so the models take it
+from here.
 """
 
 from __future__ import annotations
@@ -34,11 +37,24 @@ def _kernels(*tensors: torch.Tensor):
     return cpu_kernels.load()
 
 
+def _triton(*tensors: torch.Tensor):
+    """:mod:`llmlab.kernels.triton_fused` if all ``tensors`` are contiguous CUDA tensors it
+    takes, else None."""
+    if tensors[0].device.type != "cuda" or not all(t.is_contiguous() for t in tensors):
+        return None
+    from llmlab.kernels import triton_fused
+
+    return triton_fused if triton_fused.supports(*tensors) else None
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight * rms_norm(x + residual), x + residual)``, the pair a pre-norm block needs
     (``residual=None``: ``(weight * rms_norm(x), x)``). May update ``residual`` in place."""
+    gpu = _triton(x, weight) if residual is None else _triton(x, residual, weight)
+    if gpu is not None:
+        return gpu.add_rms_norm(x, residual, weight, eps)
     kernels = _kernels(x, weight) if residual is None else _kernels(x, residual, weight)
     if kernels is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         dim = x.shape[-1]
@@ -57,6 +73,9 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` along the last axis."""
+    gpu = _triton(gate_up)
+    if gpu is not None:
+        return gpu.silu_and_mul(gate_up)
     kernels = _kernels(gate_up)
     if kernels is not None and gate_up.is_contiguous():
         half = gate_up.shape[-1] // 2
@@ -74,6 +93,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotate ``x`` ``[T, heads, head_dim]`` in place, NeoX-style, like :func:`apply_rotary`
     (``cos``/``sin`` ``[T, rotary_dim]``); returns ``x``. ``x`` may be a strided view (e.g.
     into a fused q/k/v output)."""
+    if x.device.type == "cuda" and x.stride(-1) == 1 and x.dim() == 3:
+        gpu = _triton(cos, sin)
+        if gpu is not None and gpu.supports(x, cos, sin):
+            return gpu.rotary_(x, cos, sin)
     kernels = _kernels(x, cos, sin)
     if (
         kernels is not None and x.stride(-1) == 1 and cos.is_contiguous()

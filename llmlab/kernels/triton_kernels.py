@@ -266,16 +266,18 @@ KERNELS = {
 }
 """The kernel sources by name (plain functions; see :func:`kernel`)."""
 
-_JITTED: dict[str, object] = {}
+_JITTED: dict[object, object] = {}
 
 
-def kernel(name: str):
-    """The kernel ``name`` wrapped by ``triton.jit``: compiled for CUDA tensors, or run by
-    Triton's interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported
-    (the interpreter also needs triton's own library functions built in that mode)."""
-    jitted = _JITTED.get(name)
+def kernel(name):
+    """The kernel ``name`` (of :data:`KERNELS`; or a plain kernel function) wrapped by
+    ``triton.jit``, once: compiled for CUDA tensors, or run by Triton's interpreter when
+    ``TRITON_INTERPRET=1`` was set before triton was imported (the interpreter also needs
+    triton's own library functions built in that mode)."""
+    fn = KERNELS[name] if isinstance(name, str) else name
+    jitted = _JITTED.get(fn)
     if jitted is None:
-        jitted = _JITTED[name] = triton.jit(KERNELS[name])
+        jitted = _JITTED[fn] = triton.jit(fn)
     return jitted
 
 
@@ -439,13 +441,14 @@ def split_scratch(
     return acc, ml
 
 
-def compile_for_target(name: str, signature: dict, constexprs: dict, arch: int = 90):
-    """Compile kernel ``name`` ahead of time for CUDA ``arch`` (no GPU needed; CI uses
-    it so that a kernel only the GPU compiler would reject fails on a CPU machine)."""
+def compile_for_target(name, signature: dict, constexprs: dict, arch: int = 90):
+    """Compile kernel ``name`` (of this module; or any plain kernel function) ahead of time
+    for CUDA ``arch`` (no GPU needed; CI uses it so that a kernel only the GPU compiler
+    would reject fails on a CPU machine)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    fn = JITFunction(KERNELS[name])
+    fn = JITFunction(KERNELS[name] if isinstance(name, str) else name)
     src = ASTSource(fn, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))

@@ -243,8 +243,8 @@ class LlamaForCausalLM(PagedCausalLMBase):
             if spec.tie_word_embeddings
             else nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         )
-        # Set by the engine builder on CPU (``cpu_fused_ops``): run the blocks through
-        # ``forward_fused``.
+        # Set by the engine builder (``cpu_fused_ops``, ``cuda_fused_ops``): run the blocks
+        # through ``forward_fused``.
         self.fused_ops = False
 
     @classmethod
@@ -267,6 +267,13 @@ class LlamaForCausalLM(PagedCausalLMBase):
 
     def input_embedding(self) -> nn.Embedding:
         return self.embed_tokens
+
+    def fused_sizes(self) -> dict[str, int]:
+        """This rank's row widths of the fused ops (``llmlab.kernels.triton_fused``'s check)."""
+        attention, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        return dict(hidden=self.spec.hidden_size, head_dim=attention.head_dim,
+                    rotary_dim=self.rotary.spec.rotary_dim,
+                    inner=mlp.gate_up_proj.out_features // 2)
 
     def _map_weight_name(self, name: str) -> WeightTarget | None:
         if name.endswith("rotary_emb.inv_freq"):

@@ -120,6 +120,24 @@ def check_tensor_parallel(plan: BuildPlan) -> None:
         )
 
 
+def cuda_fused_ops_pass(model: torch.nn.Module, dtype: torch.dtype,
+                        device: torch.device) -> bool:
+    """Whether ``model`` may run its fused path on ``device`` with the Triton kernels: they
+    take ``dtype`` and pass :func:`llmlab.kernels.triton_fused.self_check` at the model's
+    sizes (a failure is logged: the torch ops run instead)."""
+    try:
+        from llmlab.kernels import triton_fused
+    except ImportError:  # no triton for this platform
+        return False
+    if dtype not in triton_fused.DTYPES:
+        return False
+    reason = triton_fused.self_check(device, dtype, **model.fused_sizes())
+    if reason is not None:
+        logger.warning("cuda_fused_ops: the Triton fused ops failed their check at this "
+                       "model's sizes, so the torch ops run instead: %s", reason)
+    return reason is None
+
+
 def rank_threads(cfg: EngineConfig) -> int | None:
     """Threads for one rank: ``cpu_threads`` as given; else, with several ranks on one
     machine's cores, an equal share of them (None: the automatic single-process choice)."""
@@ -149,6 +167,8 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             and cpu_kernels.load() is not None
         ):
             model.fused_ops = True
+        if device.type == "cuda" and cfg.cuda_fused_ops and hasattr(model, "fused_sizes"):
+            model.fused_ops = cuda_fused_ops_pass(model, dtype, device)
         return model
 
     # Quantized linears (each rank its own shard) before prepacking, which packs the rest.

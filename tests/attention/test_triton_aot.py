@@ -74,6 +74,24 @@ SCRIPT = textwrap.dedent(
                 sig.update({k: "constexpr" for k in const})
                 compile_for_target("reduce_splits", sig, const)
                 done.append(("reduce_splits", dt, splits))
+    from llmlab.kernels.triton_fused import KERNELS as FUSED
+    for dt in ("bf16", "fp16", "fp32"):
+        for has_res in (True, False):
+            sig = {"x_ptr": "*" + dt, "res_ptr": "*" + dt, "w_ptr": "*" + dt,
+                   "out_ptr": "*" + dt, "stride_x": "i32", "stride_res": "i32",
+                   "stride_out": "i32", "dim": "i32", "eps": "fp32",
+                   "HAS_RES": "constexpr", "BLOCK": "constexpr"}
+            compile_for_target(FUSED["add_rms_norm"], sig, dict(HAS_RES=has_res, BLOCK=1024))
+            done.append(("add_rms_norm", dt, has_res))
+        sig = {"gate_up_ptr": "*" + dt, "out_ptr": "*" + dt, "stride_in": "i32",
+               "stride_out": "i32", "half": "i32", "BLOCK": "constexpr"}
+        compile_for_target(FUSED["silu_and_mul"], sig, dict(BLOCK=1024))
+        done.append(("silu_and_mul", dt))
+        sig = {"x_ptr": "*" + dt, "cos_ptr": "*" + dt, "sin_ptr": "*" + dt,
+               "stride_tok": "i32", "stride_head": "i32", "rot": "i32",
+               "HALF_BLOCK": "constexpr"}
+        compile_for_target(FUSED["rotary"], sig, dict(HALF_BLOCK=64))
+        done.append(("rotary", dt))
     print(json.dumps(done))
     """
 )
@@ -88,5 +106,6 @@ def test_kernels_compile_for_sm90():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {c[0] for c in compiled} == {"write_kv", "paged_attention", "reduce_splits"}
-    assert len(compiled) == 3 * (1 + 5 + 2)
+    assert {c[0] for c in compiled} == {"write_kv", "paged_attention", "reduce_splits",
+                                        "add_rms_norm", "silu_and_mul", "rotary"}
+    assert len(compiled) == 3 * (1 + 5 + 2) + 3 * (2 + 1 + 1)

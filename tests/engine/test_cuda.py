@@ -68,3 +68,30 @@ def test_bf16_teacher_forced_top1_agreement(tiny_model_factory, arch):
         agree += int((logits.argmax(dim=-1) == torch.tensor(tokens, device="cuda")).sum())
         total += len(tokens)
     assert agree / total >= BF16_MIN_TOP1
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_the_triton_fused_ops_give_the_torch_ops_tokens(tiny_model_factory, arch):
+    """``cuda_fused_ops`` (on by default) runs the Llama family's blocks through the Triton
+    residual+norm, rotary and SiLU x up kernels; greedy tokens and logprobs are the plain
+    torch ops' (float32: equal tokens, logprobs to rounding), with and without graphs."""
+    path = tiny_model_factory(arch)
+    prompts = [{"prompt_token_ids": [5, 9, 13] * k} for k in (1, 4, 11, 30)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = {}
+    for fused in (True, False):
+        for eager in (False, True):
+            llm = LLM(path, dtype="float32", device="cuda", cuda_fused_ops=fused,
+                      enforce_eager=eager)
+            assert llm.llm_engine.executor.model.fused_ops is fused
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[fused, eager] = [(o.outputs[0].token_ids,
+                                   [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                   o.outputs[0].logprobs)])
+                                  for o in outs]
+            llm.llm_engine.shutdown()
+    plain = runs[False, True]
+    for key, got in runs.items():
+        assert [t for t, _ in got] == [t for t, _ in plain], key
+        for (_, a), (_, b) in zip(got, plain):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, key

@@ -65,24 +65,31 @@ def test_silu_and_mul_matches_the_torch_chain(dtype, rows, half):
     _close(fused.silu_and_mul(gate_up), want, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (32, 16)])
-def test_rotary_in_place_matches_apply_rotary_on_strided_views(dtype, head_dim, rotary_dim):
+def rotary_case(dtype, head_dim: int, rotary_dim: int, device="cpu"):
+    """A fused q/k/v projection output with q and k as strided views into it, the angles,
+    and the torch chain's rotated q and k: ``(qkv, q, k, cos, sin, want_q, want_k, v_start)``."""
     gen = torch.Generator().manual_seed(head_dim)
     tokens, heads, kv_heads = 9, 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = qkv.to(device)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     angles = torch.rand(tokens, rotary_dim // 2, generator=gen) * 100
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return qkv, q, k, cos, sin, want_q, want_k, (heads + kv_heads) * head_dim
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (32, 16)])
+def test_rotary_in_place_matches_apply_rotary_on_strided_views(dtype, head_dim, rotary_dim):
+    qkv, q, k, cos, sin, want_q, want_k, v_start = rotary_case(dtype, head_dim, rotary_dim)
     before = qkv.clone()
     got_q, got_k = fused.rotary_(q, cos, sin), fused.rotary_(k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr()  # in place, in the projection's output
     _close(got_q, want_q, dtype)
     _close(got_k, want_k, dtype)
-    v_start = (heads + kv_heads) * head_dim
     assert torch.equal(qkv[:, v_start:], before[:, v_start:])  # v untouched
 
 
