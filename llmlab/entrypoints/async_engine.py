@@ -492,9 +492,13 @@ class AsyncEngine:
             self._deliver(outputs)
 
     def _fail_all(self, err: BaseException) -> None:
+        """Fail the streams whose requests the engine holds; those still in the inbox
+        (added while the failed step ran) never met it and go on."""
         with self._cond:
-            streams = list(self._streams.values())
-            self._streams.clear()
+            queued = {stream.request_id for _, stream in self._inbox}
+            streams = [s for rid, s in self._streams.items() if rid not in queued]
+            for stream in streams:
+                del self._streams[stream.request_id]
         ids = [s.request_id for s in streams]
         try:
             self.engine.abort_request(ids)

@@ -181,8 +181,6 @@ def self_check(device: torch.device, dtype: torch.dtype, *, hidden: int, head_di
     hardware gets wrong costs speed, not tokens."""
     import torch.nn.functional as F
 
-    from llmlab.kernels.fused import apply_rotary
-
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
     gen = torch.Generator().manual_seed(0)
 
@@ -208,7 +206,12 @@ def self_check(device: torch.device, dtype: torch.dtype, *, hidden: int, head_di
         angles = torch.rand(4, rotary_dim // 2, generator=gen) * 100
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
-        check("rotary_", rotary_(q.clone(), cos, sin), apply_rotary(q, cos, sin))
+        # The torch chain (fused.apply_rotary): the leading rotary_dim channels rotate.
+        want, part = q.clone(), q[..., :rotary_dim]
+        first, second = part.chunk(2, dim=-1)
+        want[..., :rotary_dim] = (part * cos[:, None, :]
+                                  + torch.cat((-second, first), dim=-1) * sin[:, None, :])
+        check("rotary_", rotary_(q.clone(), cos, sin), want)
     except _Mismatch as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - a compile or launch failure is the reason

@@ -122,6 +122,47 @@ def test_a_failing_step_fails_requests_in_flight_and_the_engine_recovers(engine)
     assert engine.engine.kv_cache.usage == 0.0
 
 
+def test_a_request_added_while_a_step_fails_is_not_failed_with_it(engine):
+    """A step fails while a new request waits in the inbox (added after that step began):
+    the failure ends the requests the engine held, not the newcomer, which then runs."""
+    import threading
+
+    inner = engine.engine.executor
+    failing, added = threading.Event(), threading.Event()
+
+    class FailsOnceAfterTheNewcomer:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def execute(self, batch):
+            if failing.is_set():
+                failing.clear()
+                assert added.wait(30)  # the newcomer is queued while this step runs
+                raise RuntimeError("device lost")
+            return inner.execute(batch)
+
+    engine.engine.executor = FailsOnceAfterTheNewcomer()
+
+    async def main():
+        failing.set()
+        held = await engine.add_request("held", "Hello", GREEDY)
+        while failing.is_set():  # the failing step has begun
+            await asyncio.sleep(0.001)
+        newcomer = await engine.add_request("newcomer", "Bye now", GREEDY)
+        added.set()
+        with pytest.raises(EngineError, match="device lost"):
+            async for _ in held:
+                pass
+        return [o async for o in newcomer]
+
+    try:
+        outs = run(main())
+    finally:
+        engine.engine.executor = inner
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    assert engine.engine.kv_cache.usage == 0.0
+
+
 def test_a_request_the_engine_fails_ends_its_stream_with_the_reason(engine):
     # The builder sizes the cache for max_model_len, so make the scheduler fail one request
     # mid-step as it would one that can never fit.
