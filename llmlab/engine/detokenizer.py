@@ -322,6 +322,7 @@ class IncrementalDetokenizer:
         num_output_tokens: int,
         *,
         stop_terminated: bool = False,
+        final: bool = False,
     ) -> str | None:
         """Add the request's new output tokens; return the stop string they complete, if any.
 
@@ -329,7 +330,8 @@ class IncrementalDetokenizer:
         ``min_tokens``). With ``stop_terminated`` (the last token is an EOS or stop token id
         that ended the request) that token is left out of the text unless
         ``include_stop_str_in_output`` (vLLM v1). After a stop string matched, updates are
-        ignored and return None.
+        ignored and return None. ``final``: no tokens follow these (the request ended), so
+        without stop strings they may be decoded in one call (:meth:`_append_all`).
         """
         n = len(new_token_ids)
         self.num_tokens += n
@@ -337,6 +339,8 @@ class IncrementalDetokenizer:
             return None
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
+        if final and not self.stop and len(new_token_ids) > 1 and self._append_all(new_token_ids):
+            return None
         first_count = num_output_tokens - n + 1
         for i, token_id in enumerate(new_token_ids):
             before = len(self.output_text)
@@ -347,6 +351,20 @@ class IncrementalDetokenizer:
             if self.stop and first_count + i > self.min_tokens and self._check_stop(before):
                 return self.stop_string
         return None
+
+    def _append_all(self, token_ids: Sequence[int]) -> bool:
+        """Decode ``token_ids`` after the window in one call: done (True) when the result
+        holds no incomplete or invalid character, which is when it equals what token-by-token
+        decoding emits (every token's text then comes out whole, in order); else nothing
+        is changed (False). Only for the last tokens of a request without stop strings:
+        the window is left as it is, not ready for more."""
+        window = self._tokens + [int(t) for t in token_ids if int(t) not in self._skip]
+        text = self._safe_decode(window)
+        if REPLACEMENT_CHAR in text or not text.startswith(self._prefix_text):
+            return False
+        self.output_text += text[len(self._prefix_text):]
+        self._tokens, self._read, self._prefix_text = window, len(window), text
+        return True
 
     def _decode_next(self, token_id: int) -> str:
         if token_id in self._skip:

@@ -31,6 +31,9 @@ class _Reported:
     """What one request's caller has been told so far."""
 
     detokenizer: IncrementalDetokenizer | None = None
+    # Its text is due only when the request ends (FINAL_ONLY outputs, no stop strings): the
+    # tokens are decoded then, at once, not step by step.
+    deferred: bool = False
     num_reported_tokens: int = 0
     finish_reported: bool = False  # a DELTA stream says a sample finished once
     num_reported_prompt_logprobs: int = 0
@@ -52,11 +55,14 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         """Start tracking a queued request (its detokenizer, when it wants text)."""
         detok = None
-        if self.tokenizer is not None and request.sampling_params.detokenize:
+        params = request.sampling_params
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer.from_params(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params
+                self.tokenizer, request.prompt_token_ids, params
             )
-        self._reported[request.request_id] = _Reported(detok)
+        deferred = (detok is not None and not detok.stop
+                    and params.output_kind is RequestOutputKind.FINAL_ONLY)
+        self._reported[request.request_id] = _Reported(detok, deferred)
 
     def forget(self, request: Request) -> None:
         self._reported.pop(request.request_id, None)
@@ -66,7 +72,7 @@ class OutputProcessor:
         the stop string they completed, if any (the caller tells the scheduler)."""
         state = self._reported.get(request.request_id)
         detok = None if state is None else state.detokenizer
-        if detok is None:
+        if detok is None or state.deferred:
             return None
         # The EOS or stop token that ended it stays out of the text (vLLM v1).
         terminated = request.status is RequestStatus.FINISHED_STOPPED
@@ -184,6 +190,10 @@ class OutputProcessor:
             not finished or state.finish_reported
         ):
             return None  # nothing new (a finished sample's end was already reported)
+        if state.deferred and finished and detok.num_tokens < request.num_output_tokens:
+            detok.update(request.output_token_ids[detok.num_tokens:], request.num_output_tokens,
+                         stop_terminated=request.status is RequestStatus.FINISHED_STOPPED,
+                         final=True)
         if detok is None:
             text = ""
         elif delta:

@@ -487,3 +487,42 @@ def test_decode_token_is_cached_per_tokenizer(tok):
     other = CountingSlowTokenizer(tok)  # another tokenizer: its own cache
     decode_token(other, 42)
     assert other.calls == 1
+
+
+def _builtin_tokenizer():
+    from llmlab.builtin import ensure_builtin_model
+
+    return transformers.AutoTokenizer.from_pretrained(str(ensure_builtin_model()))
+
+
+@pytest.mark.parametrize("which", ["tiny", "builtin"])
+def test_the_final_tokens_in_one_decode_give_the_token_by_token_text(tok, which, monkeypatch):
+    """A request without stop strings whose text is due only at its end (``FINAL_ONLY``) is
+    decoded in one call then (``update(..., final=True)``): the same text as feeding the
+    tokens one by one, for whole texts, arbitrary ids (split characters, specials, ids the
+    window holds back), skipped specials and an EOS left out."""
+    tokenizer = tok if which == "tiny" else _builtin_tokenizer()
+    one_call, took = [], []
+    append_all = IncrementalDetokenizer._append_all
+    monkeypatch.setattr(IncrementalDetokenizer, "_append_all",
+                        lambda self, ids: one_call.append(append_all(self, ids)) or one_call[-1])
+    rng = random.Random(7)
+    cases = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    cases += [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(2, 60))]
+              for _ in range(60)]
+    for i, ids in enumerate(cases):
+        prompt = tokenizer.encode(TEXTS[i % len(TEXTS)], add_special_tokens=False)[-7:]
+        params = SamplingParams(skip_special_tokens=i % 2 == 0)
+        terminated = i % 3 == 0
+        one = IncrementalDetokenizer.from_params(tokenizer, prompt, params)
+        for k in range(len(ids)):
+            one.update(ids[k:k + 1], k + 1, stop_terminated=terminated and k == len(ids) - 1)
+        at_once = IncrementalDetokenizer.from_params(tokenizer, prompt, params)
+        calls = len(one_call)
+        at_once.update(ids, len(ids), stop_terminated=terminated, final=True)
+        took.append(len(one_call) > calls and one_call[-1])
+        assert at_once.text(True) == one.text(True), (which, ids)
+    # The whole texts (their last token kept) took the one-call path; some random ids fell
+    # back to token by token.
+    assert all(took[i] for i in range(len(TEXTS)) if i % 3)
+    assert not all(took)
