@@ -224,6 +224,11 @@ class EngineConfig:
         data_parallel_size: run this many whole engine replicas (each of
             ``tensor_parallel_size`` ranks) in processes of their own, behind a router
             that picks one per request.
+        engine_core_process: run the one engine in a process of its own (the front end,
+            e.g. ``llmlab serve``'s HTTP work, then never takes the engine's Python thread
+            time), as one data-parallel replica: requests in and outputs out cross a pipe
+            as plain data. Off by default (measured to gain nothing on a 2-core CPU; not
+            measured on a GPU yet).
         distributed_executor_backend: how ranks and replicas are started: ``"mp"``
             (processes llmlab starts on this machine), ``"ray"`` (Ray actors, on an
             existing Ray cluster or a local one; ``pip install "llmlab[ray]"``), or
@@ -454,6 +459,7 @@ class EngineConfig:
     kv_press_config: dict | None = attrs.field(default=None, converter=_settings("kv_press"))
     tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
     data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
+    engine_core_process: bool = attrs.field(default=False, converter=_flag("engine_core_process"))
     distributed_executor_backend: str | None = attrs.field(
         default=None,
         converter=lambda v: None if v is None else as_choice(

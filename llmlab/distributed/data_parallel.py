@@ -264,6 +264,9 @@ def _refuse_pooling(cfg: Any) -> None:
         path = resolve_model_path(cfg.model, cfg.revision, cache_dir=cfg.download_dir)
         if pooling_spec(cfg, AutoConfig.from_pretrained(path), str(path)) is not None:
             runner = "pooling"
+    if runner == "pooling" and cfg.data_parallel_size == 1:
+        raise ValueError("runner='pooling' (a pooling model) is not supported with "
+                         "engine_core_process=True: use False")
     if runner == "pooling":
         raise ValueError(
             f"runner='pooling' (a pooling model) is not supported with data_parallel_size="
@@ -445,7 +448,8 @@ class DataParallelEngine:
             threads = max(1, available_cpus() // n)  # n replicas share this machine's cores
         handles = []
         for i in range(n):
-            own = dict(settings, data_parallel_size=1, cpu_threads=threads,
+            own = dict(settings, data_parallel_size=1, engine_core_process=False,
+                       cpu_threads=threads,
                        gpu_memory_utilization=plan.gpu_memory_utilization[i])
             if cfg.seed is not None:
                 own["seed"] = cfg.seed + i

@@ -55,6 +55,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="run this many engine replicas, each in a process of its own, "
                         "behind a router (default 1; docs/distributed.md)")
+    parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                        default=False, help="run the engine in a process of its own, apart "
+                        "from the server's HTTP work (default off)")
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray", "uni"),
                         default=None, help="how tensor-parallel ranks are started (default: "
                         "uni at --tensor-parallel-size 1, else mp)")

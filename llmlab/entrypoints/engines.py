@@ -2,7 +2,8 @@
 ``AsyncEngine.from_settings`` run, chosen by ``data_parallel_size``.
 
 One replica (the default) is a plain :class:`~llmlab.engine.engine.Engine` from
-:class:`~llmlab.engine.builder.EngineBuilder`; ``data_parallel_size > 1`` is a
+:class:`~llmlab.engine.builder.EngineBuilder`; ``data_parallel_size > 1`` (or
+``engine_core_process``, one replica) is a
 :class:`~llmlab.distributed.data_parallel.DataParallelEngine` (replicas in processes of
 their own, behind a router). Both are an :class:`~llmlab.engine.client.EngineClient`.
 """
@@ -30,7 +31,7 @@ def build_engine(model: str, tokenizer: str | None = None, *,
     deadlines = {"replica_heartbeat_timeout_s": replica_heartbeat_timeout_s,
                  "replica_wedged_after_s": replica_wedged_after_s}
     config = builder.config
-    if config.data_parallel_size > 1:
+    if config.data_parallel_size > 1 or config.engine_core_process:
         return DataParallelEngine.from_settings(model, tokenizer, **deadlines, **settings)
     router = builder.router if builder.router is not None else config.router
     check_data_parallel_settings(router, **deadlines, router_config=config.router_config)

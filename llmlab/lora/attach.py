@@ -81,6 +81,9 @@ def check_lora_settings(config, *, pooling: bool, model_class: type | None) -> N
             f"enable_lora=True is not supported with data_parallel_size="
             f"{config.data_parallel_size} (replicas do not share adapters); use 1"
         )
+    if getattr(config, "engine_core_process", False):
+        raise ValueError("enable_lora=True is not supported with engine_core_process=True "
+                         "(adapters are not sent to an engine process); use False")
     if pooling:
         raise ValueError(
             "enable_lora=True is not supported with runner='pooling'; LoRA adapters apply "

@@ -121,6 +121,24 @@ def test_greedy_outputs_equal_one_engines_in_prompt_order(dp_llm, reference):
     assert not dp_llm.llm_engine.has_unfinished_requests()
 
 
+def test_engine_core_process_runs_the_one_engine_in_its_own_process(tiny_llama, reference):
+    """``engine_core_process=True``: one engine, in a process of its own (a one-replica
+    front end), the same tokens as in-process; its process ends with the engine."""
+    llm = LLM(tiny_llama, engine_core_process=True, **SETTINGS)
+    engine = llm.llm_engine
+    assert isinstance(engine, DataParallelEngine) and len(engine.health()) == 1
+    pids = [s.pid for s in engine.health()]
+    assert os.getpid() not in pids
+    try:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        want = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    finally:
+        engine.shutdown()
+    wait_gone(pids)
+
+
 def test_round_robin_spreads_requests_over_both_replicas(dp_llm, arrivals):
     dp_llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
     assert len(arrivals[0]) == len(arrivals[1]) == 3
@@ -362,6 +380,8 @@ def test_pooling_models_are_refused_before_any_replica_starts(tiny_llama, tmp_pa
                          (classifier, {"runner": "auto"})):
         with pytest.raises(ValueError, match="not supported with data_parallel_size=2"):
             LLM(model, data_parallel_size=2, **extra, **SETTINGS)
+    with pytest.raises(ValueError, match="not supported with engine_core_process=True"):
+        LLM(tiny_llama, engine_core_process=True, runner="pooling", **SETTINGS)
     assert {c.pid for c in replica_children()} <= before
     # "auto" on a generating checkpoint still starts replicas as before
     LLM(tiny_llama, data_parallel_size=2, runner="auto", **SETTINGS).llm_engine.shutdown()

@@ -113,6 +113,7 @@ def test_one_id_names_one_adapter(llm, tiny_llama, adapter_factory):
     [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
         ({"data_parallel_size": 2}, "data_parallel_size=2"),
+        ({"engine_core_process": True}, "engine_core_process=True"),
         ({"runner": "pooling"}, "runner='pooling'"),
     ],
 )
