@@ -199,6 +199,8 @@ def self_check(device: torch.device, dtype: torch.dtype, *, hidden: int, head_di
         check("add_rms_norm", got,
               weight * F.rms_norm(summed.float(), (hidden,), eps=1e-6).to(dtype))
         check("add_rms_norm's sum", got_sum, summed)
+        alone, _ = add_rms_norm(x, None, weight, 1e-6)  # the first layer's: no residual yet
+        check("add_rms_norm", alone, weight * F.rms_norm(x.float(), (hidden,), eps=1e-6).to(dtype))
         gate_up = rand(4, 2 * inner)
         gate, up = gate_up.chunk(2, dim=-1)
         check("silu_and_mul", silu_and_mul(gate_up), F.silu(gate) * up)
