@@ -8,8 +8,10 @@
 # STAGE: tests (the suite on CUDA, pytest-xdist), throughput (benchmarks.throughput --device
 # cuda), tests+throughput, attention (benchmarks.attention), bench (attention, then
 # throughput), distributed (benchmarks.gpu_distributed: data-parallel replicas sharing the
-# GPU), or all (the default: tests, then benchmarks.attention; about 10 minutes, one call's
-# limit). TPUT_ARGS and ATTN_ARGS add arguments to those two benchmarks (e.g.
+# GPU), ab (llmlab alone, the engine's defaults against each switch turned off:
+# --no-cuda-fused-ops, --async-scheduling off; then one sequence's decode split; about 4
+# minutes), or all (the default: tests, then benchmarks.attention; about 10 minutes, one
+# call's limit). TPUT_ARGS and ATTN_ARGS add arguments to those two benchmarks (e.g.
 # TPUT_ARGS="--only llmlab", ATTN_ARGS=--quick) so several stages fit one call.
 #
 # Missing Python packages travel as wheels in .whl/ (installed into /tmp/site), because that
@@ -57,6 +59,23 @@ if [ "$stage" = distributed ]; then
         > "$OUT/distributed.log" 2>&1
     echo "distributed exit $?"
     tail -20 "$OUT/distributed.log"
+fi
+
+if [ "$stage" = ab ]; then
+    # One machine, one process each, in turn; the summary lines of each run.
+    for variant in default --no-cuda-fused-ops "--async-scheduling off"; do
+        name=$(echo "$variant" | tr -c 'a-z0-9\n' '_')
+        extra=$variant
+        [ "$variant" = default ] && extra=
+        timeout -k 10 "${TPUT_TIMEOUT:-120}" python3 -m benchmarks.throughput --device cuda \
+            --only llmlab $extra --json "$OUT/ab_$name.json" > "$OUT/ab_$name.log" 2>&1
+        echo "== $variant (exit $?)"
+        grep -E "^wall|of the roofline \(|host \(wall|gaps >" "$OUT/ab_$name.log"
+    done
+    timeout -k 10 "${TPUT_TIMEOUT:-120}" python3 -m benchmarks.throughput --device cuda \
+        --only llmlab --num-requests 8 --decode-batch 1 > "$OUT/ab_single.log" 2>&1
+    echo "== one sequence (exit $?)"
+    grep -E "host \(wall|gaps >" "$OUT/ab_single.log"
 fi
 
 if [ "$stage" = bench ] || [ "$stage" = all ] || [ "$stage" = attention ]; then
