@@ -40,7 +40,8 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 KINDS: dict[str, str] = {
@@ -414,6 +415,43 @@ def bind_hook(*components: Any) -> Callable[..., Any] | None:
                     )
                 return hook
     return None
+
+
+# Component instances engines were built with, by id (held weakly: an entry goes when its
+# instance does). Each engine needs its own: a component keeps its engine's state (an
+# eviction policy the block ids of that engine's pool, a press its per-request scores).
+_CLAIMED: dict[int, weakref.ref] = {}
+
+
+def check_unclaimed(components: Iterable[tuple[str, Any]]) -> None:
+    """Raise ``ValueError`` for the first ``(kind, instance)`` an engine was already built
+    with (names, classes and None pass: each build makes its own instance of those)."""
+    for kind, component in components:
+        ref = _CLAIMED.get(id(component))
+        if ref is not None and ref() is component:
+            raise ValueError(
+                f"{kind}={_label(kind, component)} is already part of another engine, and a "
+                "component keeps its engine's state (an eviction policy that engine's block "
+                "ids): give each engine its own instance (a new one, copy.deepcopy(it), or "
+                "its registered name or class)"
+            )
+
+
+def claim(components: Iterable[tuple[str, Any]]) -> None:
+    """Record the instances an engine was just built with (see :func:`check_unclaimed`)."""
+    for _kind, component in components:
+        if component is None or isinstance(component, (str, type)):
+            continue
+        key = id(component)
+
+        def gone(ref: weakref.ref, key: int = key) -> None:
+            if _CLAIMED.get(key) is ref:
+                del _CLAIMED[key]
+
+        try:
+            _CLAIMED[key] = weakref.ref(component, gone)
+        except TypeError:  # not weakly referenceable (a builtin): not tracked
+            continue
 
 
 def describe(kind: str | None = None) -> list[tuple[str, str, str]]:

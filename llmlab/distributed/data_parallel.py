@@ -429,6 +429,9 @@ class DataParallelEngine:
         # The name and config the front end's config keeps (replicas never route).
         named = (router if isinstance(router, str) else None,
                  registry.config_dict("router", router_config))
+        given_router = [("router", router)] if router is not None and not isinstance(
+            router, (str, type)) else []
+        registry.check_unclaimed(given_router)  # a router keeps its replicas' loads
         router = resolve_router(router, router_config)
         resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process
         _check_picklable(settings, n)
@@ -482,6 +485,7 @@ class DataParallelEngine:
         engine = cls(handles, infos, router, text_tokenizer, step_timeout_s=step_timeout_s,
                      heartbeat_timeout_s=deadlines["replica_heartbeat_timeout_s"],
                      wedged_after_s=deadlines["replica_wedged_after_s"])
+        registry.claim(given_router)
         engine.config = attrs.evolve(
             engine.config, device=cfg.device, cpu_threads=cfg.cpu_threads,
             gpu_memory_utilization=cfg.gpu_memory_utilization, router=named[0],

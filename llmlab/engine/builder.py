@@ -142,14 +142,30 @@ class EngineBuilder:
 
     def build(self) -> Engine:
         """The engine (loads the model; ``ValueError`` / ``TypeError`` for a bad setting or
-        component, raised before any weights load)."""
-        return Engine(**assemble(
+        component, raised before any weights load: among them a component instance another
+        engine was built with, since it keeps that engine's state)."""
+        instances = self.instances()
+        registry.check_unclaimed(instances)
+        engine = Engine(**assemble(
             self.config, scheduling_policy=self.scheduling_policy,
             eviction_policy=self.eviction_policy, attention_backend=self.attention_backend,
             sampler=self.sampler, offload_eviction_policy=self.offload_eviction_policy,
             kv_press=self.kv_press, proposer=self.proposer,
             speculation_length=self.speculation_length, plugins=self.plugins,
         ))
+        registry.claim(instances)
+        return engine
+
+    def instances(self) -> list[tuple[str, Any]]:
+        """``(kind, instance)`` of every component given as an instance (not a name)."""
+        given = [("scheduling_policy", self.scheduling_policy),
+                 ("eviction_policy", self.eviction_policy),
+                 ("attention_backend", self.attention_backend), ("sampler", self.sampler),
+                 ("eviction_policy", self.offload_eviction_policy),
+                 ("kv_press", self.kv_press), ("proposer", self.proposer),
+                 ("speculation_length", self.speculation_length),
+                 *(("plugin", p) for p in self.plugins)]
+        return [(k, v) for k, v in given if v is not None and not isinstance(v, (str, type))]
 
     def with_plugin(self, plugin: Any) -> EngineBuilder:
         """Plug a feature in (a :class:`~llmlab.plugin.SchedulerPlugin` or

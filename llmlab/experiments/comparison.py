@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 COMPONENT_KEYS = ("scheduling_policy", "eviction_policy", "attention_backend", "sampler")
 """Keys of a configuration that take a component (an instance, or a registered name)."""
+# Every key that may hold a component instance (the EngineConfig fields among them take
+# one too, through LLM): copied per run.
+_INSTANCE_KEYS = (*COMPONENT_KEYS, "kv_press", "plugins", "proposer", "router")
 
 CONFIG_KEYS = tuple(f.name for f in attrs.fields(EngineConfig)) + COMPONENT_KEYS
 """Every key a configuration or ``engine_kwargs`` may hold: the ``LLM`` keywords."""
@@ -165,8 +168,9 @@ def compare(
             returning an ``Engine`` (or an ``LLM``), e.g. one with a simulated executor and
             a ``VirtualClock``, whose keywords are its own (not checked here).
         engine_kwargs: keywords shared by every configuration (a configuration's own value
-            wins). A component instance here is deep-copied for each engine, so engines
-            never share policy state; instances inside a configuration are used as given.
+            wins). Every component instance (here or in a configuration) is deep-copied for
+            its run, so engines never share component state and the instances given are
+            never used: the same configurations can run again.
         progress: show a tqdm bar (requests finished) per configuration.
         executor: ``"engine"`` runs the real model; ``"sim"`` runs each configuration on
             :func:`~llmlab.sim.sim_engine` (the same scheduler and KV cache on a cost model,
@@ -199,9 +203,11 @@ def compare(
 
     rows, request_frames, events = {}, [], {}
     for label, settings in runs.items():
-        merged = {k: copy.deepcopy(v) if k in COMPONENT_KEYS and not isinstance(v, str) else v
-                  for k, v in shared.items()}
-        merged.update(settings)
+        # Every component instance is deep-copied for its run: an engine claims the instances
+        # it is built with (they keep its state), so the ones given stay fresh, and a
+        # comparison can run again on the same configurations.
+        merged = {k: copy.deepcopy(v) if k in _INSTANCE_KEYS and not isinstance(v, str) else v
+                  for k, v in {**shared, **settings}.items()}
         engine = _build(model, merged, simulated)
         try:
             records, trace = run_workload(engine, workload, label=label, progress=progress)

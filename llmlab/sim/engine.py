@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from llmlab import registry
 from llmlab.config import EngineConfig
 from llmlab.dtypes import dtype_from_name
 from llmlab.engine.engine import Engine
@@ -136,13 +137,18 @@ def sim_engine(
             )
         acceptance = spec.build_proposer()
         length = spec.length_policy()
+    given = [("scheduling_policy", scheduling_policy), ("eviction_policy", eviction_policy)]
+    given = [(k, v) for k, v in given if v is not None and not isinstance(v, (str, type))]
+    registry.check_unclaimed(given)  # an instance keeps the engine it joined's state
     scheduler = scheduler_for(cfg, num_blocks, max_model_len, policy, eviction,
                               speculation=length)
     executor = SimulatedExecutor(cost_model, clock, shape.vocab_size, acceptance)
-    return Engine(**engine_fields(
+    engine = Engine(**engine_fields(
         cfg, scheduler, executor, length, tokenizer=None, vocab_size=shape.vocab_size,
         max_model_len=max_model_len, eos_token_ids=frozenset(), clock=clock,
     ))
+    registry.claim(given)
+    return engine
 
 
 def _model(model: Any) -> tuple[ModelShape, str, int | None]:

@@ -340,3 +340,22 @@ def test_policies_bind_and_the_old_attach_still_works_with_a_warning(tiny_llama)
     with pytest.warns(DeprecationWarning, match=r"_Attached.attach\(view\) is deprecated"):
         LLM(tiny_llama, scheduling_policy=attached)
     assert attached.view is not None
+
+
+def test_an_instance_serves_one_engine_and_a_second_is_refused_saying_so(tiny_llama):
+    """A component instance keeps its engine's state (an eviction policy that pool's block
+    ids): a second engine built from it is refused before any weights load, naming the
+    kind and what to do; names and classes build afresh each time; the first engine runs
+    on."""
+    from llmlab.cache.eviction import LRUEviction as LRU
+
+    lru, press = LRU(), KnormPress(compression_ratio=0.5)
+    first = LLM(tiny_llama, eviction_policy=lru, kv_press=press)
+    for settings, kind in (({"eviction_policy": lru}, "eviction_policy"),
+                           ({"kv_press": press}, "kv_press")):
+        with pytest.raises(ValueError, match=rf"{kind}=.* is already part of another engine"
+                                             r".*copy\.deepcopy"):
+            LLM(tiny_llama, **settings)
+    LLM(tiny_llama, eviction_policy="lru", kv_press="knorm")
+    LLM(tiny_llama, eviction_policy=LRU)  # a class: each build makes its own
+    assert first.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0].token_ids

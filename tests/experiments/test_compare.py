@@ -252,3 +252,19 @@ def test_run_workload_refuses_an_engine_that_is_already_busy(tiny_llama):
     with pytest.raises(ValueError, match="1 unfinished request"):
         run_workload(engine, TINY)
     assert engine.has_request("mine")
+
+
+def test_a_stateful_instance_reused_across_comparisons_runs_fresh_each_time(chat, tiny_llama):
+    """The same eviction-policy instance in a configuration, in two ``compare`` calls (the
+    second used to get the first engine's block ids back from it): each run gets a copy,
+    the instance given stays unused, and the tables agree."""
+    from llmlab.cache.eviction import LRUEviction as LRU
+
+    workload, _ = chat
+    lru = LRU()
+    configs = {"lru instance": {"scheduling_policy": "fcfs", "eviction_policy": lru}}
+    first = compare(workload, configs, model=tiny_llama, engine_kwargs=ENGINE, progress=False)
+    second = compare(workload, configs, model=tiny_llama, engine_kwargs=ENGINE, progress=False)
+    columns = ["num_output_tokens", "prefix_hit_rate", "num_preemptions"]
+    assert first.table[columns].equals(second.table[columns])
+    LLM(tiny_llama, eviction_policy=lru, **ENGINE)  # never claimed by an engine
