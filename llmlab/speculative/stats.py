@@ -127,6 +127,12 @@ class SpecDecodeStats:
         accepted_per_pos: drafts with ``num_accepted >= j``.
         reached_per_pos: drafts with ``num_drafted >= j`` and ``num_accepted >= j - 1``.
         series: one :class:`SpecStep` per step that had a draft, oldest first.
+        num_decode_steps / num_steps_without_drafts: steps that decoded (read from a
+            ``StepEvent``'s ``scheduled`` and ``num_prefill_tokens``; 0 for an event
+            without them), and those of them where no request drafted: where the adaptive
+            speculation length kept speculation off, or no proposer had a draft. A high
+            share means the run measured little speculation: evaluate a proposer with
+            ``speculation_length="fixed"``.
     """
 
     num_drafts: int = attrs.field(default=0, init=False)
@@ -136,6 +142,8 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = attrs.field(factory=list, init=False)
     reached_per_pos: list[int] = attrs.field(factory=list, init=False)
     series: list[SpecStep] = attrs.field(factory=list, init=False, repr=False)
+    num_decode_steps: int = attrs.field(default=0, init=False)
+    num_steps_without_drafts: int = attrs.field(default=0, init=False)
     _requests: dict[str, SpecTotals] = attrs.field(factory=dict, init=False, repr=False)
 
     def __call__(self, event: _SpeculatedStep) -> None:
@@ -147,6 +155,10 @@ class SpecDecodeStats:
                     f"speculated entry {entry!r} of step {event.step_index}: num_accepted "
                     f"must be in [0, num_drafted={num_drafted}], got {num_accepted}"
                 )
+        scheduled = getattr(event, "scheduled", ())
+        if sum(n for _, n in scheduled) > getattr(event, "num_prefill_tokens", 0):
+            self.num_decode_steps += 1
+            self.num_steps_without_drafts += not drafts
         if not drafts:
             return
         step = SpecTotals()
@@ -211,11 +223,14 @@ class SpecDecodeStats:
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "per_position_conditional_rate": self.per_position_conditional_rate,
             "num_requests": len(self._requests),
+            "num_decode_steps": self.num_decode_steps,
+            "num_steps_without_drafts": self.num_steps_without_drafts,
         }
 
     def reset(self) -> None:
         """Back to no drafts seen."""
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_decode_steps = self.num_steps_without_drafts = 0
         self.drafted_per_pos.clear()
         self.accepted_per_pos.clear()
         self.reached_per_pos.clear()

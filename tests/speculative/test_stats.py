@@ -81,7 +81,7 @@ def test_summary_holds_every_number(stats):
         "reached_per_pos": [5, 3, 2, 1],
         "per_position_acceptance_rate": [4 / 5, 3 / 4, 1 / 3, 1 / 2],
         "per_position_conditional_rate": [4 / 5, 1.0, 1 / 2, 1.0],
-        "num_requests": 3,
+        "num_requests": 3, "num_decode_steps": 0, "num_steps_without_drafts": 0,
     }
     summary["accepted_per_pos"].append(99)
     assert stats.accepted_per_pos == [4, 3, 1, 1], "summary() hands out copies"
@@ -118,3 +118,19 @@ def test_an_impossible_entry_is_refused_and_changes_nothing(stats, entry):
     with pytest.raises(ValueError, match=r"num_accepted must be in \[0, num_drafted=2\]"):
         stats(event(9, [("z", 1, 1), entry]))
     assert stats.summary() == before
+
+
+def test_decode_steps_without_drafts_are_counted():
+    """A step that decoded and drafted nothing (the adaptive length kept speculation off)
+    counts toward num_steps_without_drafts; a prefill-only step is no decode step."""
+    import attrs
+
+    stats = SpecDecodeStats()
+    decode = (("a", 1), ("b", 3))
+    stats(attrs.evolve(event(0, [("b", 2, 1)]), scheduled=decode))
+    stats(attrs.evolve(event(1, []), scheduled=(("a", 1), ("b", 1))))
+    stats(attrs.evolve(event(2, []), scheduled=(("c", 16),), num_prefill_tokens=16))
+    stats(attrs.evolve(event(3, []), scheduled=(("c", 17), ("a", 1)), num_prefill_tokens=17))
+    assert (stats.num_decode_steps, stats.num_steps_without_drafts) == (3, 2)
+    stats.reset()
+    assert (stats.num_decode_steps, stats.num_steps_without_drafts) == (0, 0)

@@ -96,7 +96,9 @@ class KVCacheView(_View):
                 self._checkpoints[i + 1] = self._state.copy()
 
     def frame_at(self, position: int) -> Frame:
-        """The frame after the first ``position`` events of the recording."""
+        """The frame after the first ``position`` events of the recording. A seek: the view
+        moves there (as :meth:`seek`), so ``html()`` and ``to_png()`` then draw this frame;
+        read ``position`` first and seek back to keep the view where it was."""
         self.seek(position)
         return self.frame
 
