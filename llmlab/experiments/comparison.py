@@ -73,22 +73,28 @@ class Comparison:
 
     Attributes:
         workload: what was run.
-        table: one row per configuration (index: label): the policies' names, then the
-            metrics of :mod:`llmlab.experiments.metrics`, then ``served[user]`` columns.
-        requests: one row per request and configuration (column ``label``): the fields of
+        table: one row per configuration (index: label): the components' names, then the
+            metrics of :mod:`llmlab.experiments.metrics`, then ``served[user]`` columns
+            (with ``repeats > 1``: their means, spreads and overlaps, see :func:`compare`).
+        requests: one row per request, configuration and run (columns ``label``,
+            ``repeat``): the fields of
             :class:`~llmlab.experiments.metrics.RequestRecord` (times in seconds since the
             run's start) plus ``ttft_s`` and ``e2e_s``.
-        events: each configuration's ``StepEvent``s, in step order.
+        events: each configuration's ``StepEvent``s, in step order (its first run's).
+        runs: one row per run (columns ``label``, ``repeat``, then the table's): with
+            ``repeats > 1`` the table summarizes these.
     """
 
     workload: Workload
     table: Any  # pandas.DataFrame
     requests: Any  # pandas.DataFrame
     events: Mapping[str, tuple[StepEvent, ...]]
+    runs: Any = None  # pandas.DataFrame
 
     def figure(self, metrics: Sequence[str] | None = None, *, ncols: int = 4, fig=None):
         """A matplotlib ``Figure``: one bar chart per metric (default: those of
-        :data:`KEY_METRICS` with a value in some run) across configurations, plus tokens
+        :data:`KEY_METRICS` with a value in some run) across configurations (with
+        ``repeats > 1``: the means, each with its 95% interval as an error bar), plus tokens
         served per user (stacked) when there are several users. Built with the object API,
         so it needs no display. ``fig``: draw into this figure or subfigure instead of a new
         one (it is returned)."""
@@ -116,7 +122,9 @@ class Comparison:
         colors = [f"C{i % 10}" for i in range(len(labels))]
         for ax, name in zip(axes, names, strict=False):
             values = self.table[name].astype(float).to_numpy()
-            bars = ax.bar(labels, values, color=colors)
+            ci = f"{name}_ci95"  # with repeats: each bar's 95% interval
+            yerr = self.table[ci].astype(float).to_numpy() if ci in self.table else None
+            bars = ax.bar(labels, values, color=colors, yerr=yerr, capsize=3)
             ax.bar_label(bars, fmt="%.3g", fontsize="x-small")
             ax.set_title(titles.get(name, name), fontsize="medium")
             if not np.nanmax(values, initial=0.0) > 0:  # all zero or NaN: show an empty 0..1
@@ -155,6 +163,7 @@ def compare(
     engine_kwargs: Mapping[str, Any] | None = None,
     progress: bool = True,
     executor: str = "engine",
+    repeats: int = 1,
 ) -> Comparison:
     """Run ``workload`` on a fresh engine per configuration; return the metrics.
 
@@ -172,6 +181,12 @@ def compare(
             its run, so engines never share component state and the instances given are
             never used: the same configurations can run again.
         progress: show a tqdm bar (requests finished) per configuration.
+        repeats: runs per configuration, interleaved (every configuration once, then
+            again): the table then holds each metric's mean over the runs, its standard
+            deviation (``<metric>_std``), the half-width of its 95% interval
+            (``<metric>_ci95``, Student's t) and, for the :data:`KEY_METRICS`, the labels
+            whose interval overlaps this one (``<metric>_overlaps``: a difference between
+            those two is not shown by this many runs). ``runs`` keeps every run's row.
         executor: ``"engine"`` runs the real model; ``"sim"`` runs each configuration on
             :func:`~llmlab.sim.sim_engine` (the same scheduler and KV cache on a cost model,
             in virtual time), where the keywords may also hold ``cost_model`` and
@@ -187,6 +202,8 @@ def compare(
         raise ValueError(f"workload {workload.name!r} has no requests; give at least one")
     if executor not in ("engine", "sim"):
         raise ValueError(f"executor must be 'engine' or 'sim', got {executor!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     simulated = executor == "sim"
     if simulated and callable(model):
         raise ValueError("executor='sim' builds its own engines: give model as a path or None")
@@ -201,26 +218,33 @@ def compare(
 
     import pandas as pd
 
-    rows, request_frames, events = {}, [], {}
-    for label, settings in runs.items():
-        # Every component instance is deep-copied for its run: an engine claims the instances
-        # it is built with (they keep its state), so the ones given stay fresh, and a
-        # comparison can run again on the same configurations.
-        merged = {k: copy.deepcopy(v) if k in _INSTANCE_KEYS and not isinstance(v, str) else v
-                  for k, v in {**shared, **settings}.items()}
-        engine = _build(model, merged, simulated)
-        try:
-            records, trace = run_workload(engine, workload, label=label, progress=progress)
-            rows[label] = {**_policy_names(engine), **summarize(records, trace, workload.users)}
-        finally:
-            del engine
-            _release_memory()
-        request_frames.append(_requests_frame(label, records))
-        events[label] = tuple(trace.events)
-    table = pd.DataFrame.from_dict(rows, orient="index")
-    table.index.name = "label"
+    per_run, request_frames, events = [], [], {}
+    # Interleaved (A B A B, not A A B B): a drift of the machine over the session then
+    # spreads over every configuration instead of biasing the ones run last.
+    for repeat in range(repeats):
+        for label, settings in runs.items():
+            # Every component instance is deep-copied for its run: an engine claims the
+            # instances it is built with (they keep its state), so the ones given stay
+            # fresh, and a comparison can run again on the same configurations.
+            merged = {k: copy.deepcopy(v) if k in _INSTANCE_KEYS and not isinstance(v, str)
+                      else v for k, v in {**shared, **settings}.items()}
+            engine = _build(model, merged, simulated)
+            try:
+                records, trace = run_workload(engine, workload, label=label,
+                                              progress=progress)
+                per_run.append({"label": label, "repeat": repeat, **_policy_names(engine),
+                                **summarize(records, trace, workload.users)})
+            finally:
+                del engine
+                _release_memory()
+            request_frames.append(_requests_frame(label, records, repeat))
+            events.setdefault(label, tuple(trace.events))
+    runs_frame = pd.DataFrame(per_run)
+    table = _spread_table(runs_frame) if repeats > 1 else (
+        runs_frame.drop(columns="repeat").set_index("label"))
     requests = pd.concat(request_frames, ignore_index=True)
-    return Comparison(workload=workload, table=table, requests=requests, events=events)
+    return Comparison(workload=workload, table=table, requests=requests, events=events,
+                      runs=runs_frame)
 
 
 def run_workload(
@@ -501,16 +525,26 @@ class _ProgressBar:
 
 
 def _policy_names(engine: Engine) -> dict[str, str]:
+    """Each component a row's result depends on, by name ("" where there is none)."""
     def name(component: object) -> str:
+        if component is None:
+            return ""
         return getattr(component, "name", None) or type(component).__name__
 
+    # The scheduler holds its plugins guarded (scheduler/guard.py): the plugin inside.
+    plugins = {p.name: getattr(p, "plugin", p) for p in getattr(engine.scheduler, "plugins", ())}
+    press = plugins.get("kv_press")
+    speculator = getattr(getattr(engine, "executor", None), "speculator", None)
     return {
         "scheduling_policy": name(engine.scheduler.policy),
         "eviction_policy": name(engine.kv_cache.eviction),
+        "kv_press": name(getattr(press, "press", None)),
+        "proposer": name(getattr(speculator, "proposer", None)),
+        "router": name(getattr(engine, "router", None)),
     }
 
 
-def _requests_frame(label: str, records: list[RequestRecord]):
+def _requests_frame(label: str, records: list[RequestRecord], repeat: int = 0):
     import pandas as pd
 
     frame = pd.DataFrame([attrs.asdict(r, recurse=False) for r in records])
@@ -518,8 +552,48 @@ def _requests_frame(label: str, records: list[RequestRecord]):
         frame[column] = frame[column].astype(float)
     frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]
     frame["e2e_s"] = frame["finish_s"] - frame["arrival_s"]
+    frame.insert(0, "repeat", repeat)
     frame.insert(0, "label", label)
     return frame
+
+
+# Student's t at 97.5% for 1..30 degrees of freedom (then the normal's 1.96): a 95% interval
+# of the mean of n runs is mean +- t[n - 1] * std / sqrt(n).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def _spread_table(runs):
+    """One row per label from every run's row: the names, each metric's mean, ``_std``
+    (sample standard deviation) and ``_ci95`` (the 95% interval's half-width), and for
+    the key metrics the labels whose interval overlaps (``_overlaps``)."""
+    import pandas as pd
+
+    groups = runs.groupby("label", sort=False)
+    names = [c for c in runs.columns if c not in ("label", "repeat")
+             and not pd.api.types.is_numeric_dtype(runs[c])]
+    metrics = [c for c in runs.columns if c not in ("label", "repeat") and c not in names]
+    n = groups.size()
+    mean = groups[metrics].mean()
+    std = groups[metrics].std(ddof=1)
+    t = n.map(lambda k: _T975[k - 2] if 2 <= k <= 31 else 1.96)
+    half = std.mul(t / np.sqrt(n), axis=0)
+    table = groups[names].first().join(mean)
+    for m in metrics:
+        table[f"{m}_std"] = std[m]
+        table[f"{m}_ci95"] = half[m]
+    labels = list(table.index)
+    for m, _title in KEY_METRICS:
+        if m not in mean:
+            continue
+        lo, hi = mean[m] - half[m], mean[m] + half[m]
+        table[f"{m}_overlaps"] = [
+            ", ".join(str(o) for o in labels if o != a and lo[a] <= hi[o] and lo[o] <= hi[a])
+            for a in labels
+        ]
+    table["num_runs"] = n
+    return table
 
 
 def _release_memory() -> None:

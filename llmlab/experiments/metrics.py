@@ -18,6 +18,12 @@ arrival ``t0 + arrival_time``, so time spent before the engine first saw it coun
   of its entries in ``StepEvent.scheduled`` (prefill chunks, recomputation after
   preemption, and decodes; prefix-cache hits are not computed, so not counted).
 * ``fairness_gap_tokens``: see :func:`fairness_gap`.
+* Machine-independent (the same on any machine for the same scheduling decisions):
+  ``ttft_mean_steps`` / ``e2e_mean_steps``, engine steps from the step whose event reports a
+  request's arrival to the one that gave its first token / ended it, both counted;
+  ``prefill_tokens`` (sum of ``num_prefill_tokens``); ``recomputed_tokens``, tokens whose KV
+  had been computed before (recomputation after preemption); ``kv_blocks_peak`` /
+  ``kv_blocks_mean``, blocks held per step (total minus free, cached-free counted free).
 """
 
 from __future__ import annotations
@@ -183,6 +189,18 @@ class StepTrace:
     keep_events: bool = True
     served_total: dict[str | None, int] = attrs.field(factory=dict)
     fairness: FairnessMeter = attrs.field(factory=FairnessMeter)
+    # Machine-independent counts (the step-based metrics), kept as running totals so a
+    # long run that drops its events still has them.
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0
+    kv_blocks_peak: int = 0
+    kv_blocks_sum: int = 0
+    ttft_steps: list = attrs.field(factory=lambda: [0, 0])  # [sum, count]
+    e2e_steps: list = attrs.field(factory=lambda: [0, 0])
+    _arrived_at: dict = attrs.field(factory=dict)  # request -> step that reported it
+    _waiting_first: set = attrs.field(factory=set)
+    _computed: dict = attrs.field(factory=dict)  # request -> most tokens computed so far
 
     def append(self, event: StepEvent, backlogged: frozenset) -> None:
         """Note one step's event (``backlogged``: the users backlogged as it began)."""
@@ -194,10 +212,43 @@ class StepTrace:
             total[user] = total.get(user, 0) + amount
         self.fairness.step(served, backlogged)
         self.num_preemptions += len(event.preempted)
+        self._count(event)
         if self.keep_events:
             self.events.append(event)
             self.backlogged.append(backlogged)
             self.served.append(served)
+
+    def _count(self, event: StepEvent) -> None:
+        """The step-based totals: steps from a request's arrival (the step whose event
+        reports it) to its first token and to its end, both counted inclusively; prefill
+        tokens; tokens computed again (their KV had been computed before: recomputation
+        after a preemption); KV blocks held."""
+        step = self.num_steps
+        self.num_steps += 1
+        self.prefill_tokens += event.num_prefill_tokens
+        held = event.num_total_blocks - event.num_free_blocks
+        self.kv_blocks_peak = max(self.kv_blocks_peak, held)
+        self.kv_blocks_sum += held
+        for arrival in event.arrived:
+            self._arrived_at[arrival.request_id] = step
+            self._waiting_first.add(arrival.request_id)
+        computed = self._computed
+        for (rid, num_new), after in zip(event.scheduled, event.num_computed):
+            before = computed.get(rid, 0)
+            self.recomputed_tokens += max(0, min(after, before) - (after - num_new))
+            computed[rid] = max(before, after)
+        for rid, num_tokens in event.sampled:
+            if num_tokens and rid in self._waiting_first:
+                self._waiting_first.discard(rid)
+                self.ttft_steps[0] += step - self._arrived_at[rid] + 1
+                self.ttft_steps[1] += 1
+        for rid, _reason in event.finished:
+            arrived = self._arrived_at.pop(rid, None)
+            self._waiting_first.discard(rid)
+            computed.pop(rid, None)
+            if arrived is not None:
+                self.e2e_steps[0] += step - arrived + 1
+                self.e2e_steps[1] += 1
 
     def service(self) -> list[dict[str | None, int]]:
         """Tokens computed per user in each step (kept with the events)."""
@@ -254,6 +305,10 @@ def fairness_gap(
     return gap
 
 
+def _ratio(total: float, count: int) -> float:
+    return total / count if count else math.nan
+
+
 def _mean(values: np.ndarray) -> float:
     return float(np.mean(values)) if values.size else math.nan
 
@@ -299,6 +354,13 @@ def summarize(
         ),
         "num_preemptions": trace.num_preemptions,
         "fairness_gap_tokens": trace.fairness.value(),
+        # Machine-independent: the same on any machine for the same decisions.
+        "ttft_mean_steps": _ratio(*trace.ttft_steps),
+        "e2e_mean_steps": _ratio(*trace.e2e_steps),
+        "prefill_tokens": trace.prefill_tokens,
+        "recomputed_tokens": trace.recomputed_tokens,
+        "kv_blocks_peak": trace.kv_blocks_peak,
+        "kv_blocks_mean": _ratio(trace.kv_blocks_sum, trace.num_steps),
     }
     for user, amount in served.items():
         row[f"served[{user}]"] = amount

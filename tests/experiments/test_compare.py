@@ -46,9 +46,11 @@ CHAT_CONFIGS = {
 }
 
 METRICS = [
-    "scheduling_policy", "eviction_policy", "num_requests", "num_output_tokens", "makespan_s",
+    "scheduling_policy", "eviction_policy", "kv_press", "proposer", "router", "num_requests", "num_output_tokens", "makespan_s",
     "output_tokens_per_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
     "e2e_mean_s", "prefix_hit_rate", "num_preemptions", "fairness_gap_tokens",
+    "ttft_mean_steps", "e2e_mean_steps", "prefill_tokens", "recomputed_tokens",
+    "kv_blocks_peak", "kv_blocks_mean",
 ]
 
 
@@ -106,6 +108,15 @@ def test_compare_metrics_are_sane(chat):
     assert (table["e2e_mean_s"] >= table["ttft_mean_s"]).all()
     assert (table["num_preemptions"] >= 0).all()
     assert table["fairness_gap_tokens"].isna().all()  # one user (None): no pair to compare
+    # The machine-independent columns.
+    assert (table["ttft_mean_steps"] >= 1).all()
+    assert (table["e2e_mean_steps"] >= table["ttft_mean_steps"] + 2).all()  # 3 tokens each
+    uncached = workload.num_prompt_tokens * (1 - table["prefix_hit_rate"])
+    extra = (table["prefill_tokens"] - table["recomputed_tokens"] - uncached).round()
+    assert extra.between(0, table["num_preemptions"]).all()  # see the preemption test
+    assert (table["recomputed_tokens"] > 0).eq(table["num_preemptions"] > 0).all()
+    assert (table["kv_blocks_peak"] <= ENGINE["num_gpu_blocks_override"]).all()
+    assert (table["kv_blocks_mean"] <= table["kv_blocks_peak"]).all()
 
     requests = result.requests
     assert len(requests) == workload.num_requests * len(CHAT_CONFIGS)
@@ -268,3 +279,66 @@ def test_a_stateful_instance_reused_across_comparisons_runs_fresh_each_time(chat
     columns = ["num_output_tokens", "prefix_hit_rate", "num_preemptions"]
     assert first.table[columns].equals(second.table[columns])
     LLM(tiny_llama, eviction_policy=lru, **ENGINE)  # never claimed by an engine
+
+
+def test_recomputed_tokens_are_the_prefill_a_preemption_repeats(chat, tiny_llama):
+    """In a pool too small for the batch, a preempted request computes part of its context
+    again: prefill tokens = the prompts' uncached tokens + those recomputed + at most one
+    per preemption (a resumed request's last sampled token, computed for the first time in
+    its re-prefill)."""
+    workload, _ = chat
+    tight = {"tight": {"num_gpu_blocks_override": 16, "max_num_seqs": 4}}
+    table = compare(workload, tight, model=tiny_llama, engine_kwargs=ENGINE,
+                    progress=False).table.loc["tight"]
+    assert table["num_preemptions"] > 0 and table["recomputed_tokens"] > 0
+    uncached = workload.num_prompt_tokens * (1 - table["prefix_hit_rate"])
+    extra = round(table["prefill_tokens"] - table["recomputed_tokens"] - uncached)
+    assert 0 <= extra <= table["num_preemptions"]
+
+
+def test_rows_name_their_press_and_proposer(chat, tiny_llama):
+    workload, _ = chat
+    configs = {
+        "press": {"kv_press": "streaming_llm", "kv_press_config": {"compression_ratio": 0.5}},
+        "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    }
+    table = compare(workload, configs, model=tiny_llama, engine_kwargs=ENGINE,
+                    progress=False).table
+    assert table.loc["press", "kv_press"] and table.loc["press", "proposer"] == ""
+    assert table.loc["ngram", "proposer"] and table.loc["ngram", "kv_press"] == ""
+    assert (table["router"] == "").all()  # one engine, no router
+
+
+def test_repeats_run_interleaved_and_give_means_spreads_and_overlaps(chat, tiny_llama,
+                                                                    monkeypatch):
+    workload, _ = chat
+    configs = {"lru": {"eviction_policy": "lru"}, "fifo": {"eviction_policy": "fifo"}}
+    order = []
+    build = compare_module._build
+    monkeypatch.setattr(compare_module, "_build",
+                        lambda model, merged, sim: order.append(merged["eviction_policy"])
+                        or build(model, merged, sim))
+    result = compare(workload, configs, model=tiny_llama, engine_kwargs=ENGINE,
+                     progress=False, repeats=3)
+    assert order == ["lru", "fifo"] * 3  # A B A B A B
+    runs = result.runs
+    assert list(runs["repeat"]) == [0, 0, 1, 1, 2, 2] and len(runs) == 6
+    table = result.table
+    assert list(table.index) == ["lru", "fifo"] and (table["num_runs"] == 3).all()
+    for m in ("ttft_mean_s", "ttft_mean_steps", "output_tokens_per_s"):
+        by_label = runs.groupby("label")[m]
+        assert table[m].to_dict() == pytest.approx(by_label.mean().to_dict())
+        assert table[f"{m}_std"].to_dict() == pytest.approx(by_label.std().to_dict())
+        # 3 runs: t(0.975, 2) = 4.303
+        assert table[f"{m}_ci95"].to_dict() == pytest.approx(
+            (by_label.std() * 4.303 / 3 ** 0.5).to_dict())
+    # The same scheduling decisions every run: step-based metrics do not spread at all.
+    assert (table["ttft_mean_steps_std"] == 0).all()
+    # Overlap markers are symmetric.
+    for a, b in (("lru", "fifo"), ("fifo", "lru")):
+        assert (b in table.loc[a, "ttft_mean_s_overlaps"]) == (
+            a in table.loc[b, "ttft_mean_s_overlaps"])
+    assert set(result.requests["repeat"]) == {0, 1, 2}
+    result.figure(["ttft_mean_s"])  # error bars drawn from the _ci95 column
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        compare(workload, configs, model=tiny_llama, repeats=0)
