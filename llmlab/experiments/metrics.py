@@ -249,6 +249,10 @@ class StepTrace:
             if arrived is not None:
                 self.e2e_steps[0] += step - arrived + 1
                 self.e2e_steps[1] += 1
+        for rid in event.aborted:  # gone without an end to count: forget it
+            self._arrived_at.pop(rid, None)
+            self._waiting_first.discard(rid)
+            computed.pop(rid, None)
 
     def service(self) -> list[dict[str | None, int]]:
         """Tokens computed per user in each step (kept with the events)."""
