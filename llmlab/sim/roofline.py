@@ -25,7 +25,11 @@ No torch at import time: it is imported inside the functions that measure.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import pathlib
+import platform
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -106,13 +110,42 @@ class Hardware:
         return self.flops_curve(max(rows, 1))
 
     @classmethod
-    def measure(cls, dtype: Any = "float32", device: str = "cpu") -> Hardware:
-        """This machine's rates in ``dtype``, measured now (once per process per dtype and
-        device; later calls return the same object). CPU: a ``torch.mm`` rate curve over
-        batch sizes on a 2048-wide layer (peak: its best point) and the read bandwidth of a
-        256 MiB sum, in under a second. CUDA (pass ``dtype="bfloat16"`` for the serving
-        rate): the best ``torch.mm`` over three large shapes and a 1 GiB device copy."""
-        return _measure(str(_torch_dtype(dtype)).removeprefix("torch."), str(device))
+    def measure(cls, dtype: Any = "float32", device: str = "cpu",
+                refresh: bool = False) -> Hardware:
+        """This machine's rates in ``dtype`` (once per process per dtype and device; later
+        calls return the same object). CPU: a ``torch.mm`` rate curve over batch sizes on
+        a 2048-wide layer (peak: its best point) and the read bandwidth of a 256 MiB sum,
+        in under a second, saved under ``$LLMLAB_CACHE_DIR`` (default ``~/.cache/llmlab``)
+        ``/hardware`` for this CPU, core count, torch version and thread count: later
+        processes read the same numbers, so a simulation on ``"this_machine"`` gives the
+        same results in every process (``refresh=True`` measures again and replaces them).
+        CUDA (pass ``dtype="bfloat16"`` for the serving rate): the best ``torch.mm`` over
+        three large shapes and a 1 GiB device copy, measured in each process."""
+        dtype, device = str(_torch_dtype(dtype)).removeprefix("torch."), str(device)
+        if refresh:
+            _measure.cache_clear()
+            if device == "cpu":
+                _saved_path(dtype).unlink(missing_ok=True)
+        return _measure(dtype, device)
+
+
+def _saved_path(dtype: str) -> pathlib.Path:
+    """Where this machine's CPU measurement in ``dtype`` is kept (keyed by everything the
+    numbers depend on, so another CPU, torch or thread count measures afresh)."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    key = json.dumps([model, os.cpu_count(), torch.__version__, torch.get_num_threads(), dtype,
+                      _CPU_CURVE_ROWS, _CPU_CURVE_WIDTH, _CPU_READ_BYTES])
+    root = pathlib.Path(os.environ.get("LLMLAB_CACHE_DIR") or
+                        pathlib.Path.home() / ".cache" / "llmlab")
+    return root / "hardware" / f"this_machine-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 @functools.cache
@@ -121,6 +154,28 @@ def _measure(dtype: str, device: str) -> Hardware:
         return _measure_cuda(dtype, device)
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    path = _saved_path(dtype)
+    try:
+        saved = json.loads(path.read_text())
+        return attrs.evolve(Hardware(**{k: v for k, v in saved.items() if k != "flops_curve"}),
+                            flops_curve=RateCurve(*map(tuple, saved["flops_curve"])))
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # not measured yet here (or unreadable): measure and save
+    hardware = _measure_cpu(dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = attrs.asdict(hardware, recurse=False)
+        saved["flops_curve"] = [list(hardware.flops_curve.rows),
+                                list(hardware.flops_curve.flops_per_s)]
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved))
+        tmp.replace(path)  # atomic: a reader sees the old file or the whole new one
+    except OSError:
+        pass  # a read-only home: measured in each process, as before
+    return hardware
+
+
+def _measure_cpu(dtype: str) -> Hardware:
     rates = tuple(
         measure_matmul_flops_per_s(
             m, _CPU_CURVE_WIDTH, _CPU_CURVE_WIDTH, num_trials=3, trial_time_s=0.01, dtype=dtype

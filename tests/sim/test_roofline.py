@@ -308,3 +308,44 @@ def test_wrong_types_are_refused():
         RooflineCostModel("not a shape", TOY_HW)
     with pytest.raises(TypeError, match="compute_efficiency"):
         RooflineCostModel(TOY, TOY_HW, compute_efficiency="high")
+
+
+def test_this_machine_is_measured_once_and_read_back_by_every_later_process(tmp_path,
+                                                                            monkeypatch):
+    """The CPU measurement is saved (keyed by CPU, cores, torch, threads, dtype): a later
+    process reads the same numbers, so a "this_machine" simulation is the same in every
+    process; refresh=True measures again and replaces them."""
+    import json
+    import subprocess
+    import sys
+
+    from llmlab.sim import roofline
+    from tests.helpers import subprocess_env
+
+    monkeypatch.setenv("LLMLAB_CACHE_DIR", str(tmp_path))
+    roofline._measure.cache_clear()
+    try:
+        first = roofline.Hardware.measure()
+        assert len(list((tmp_path / "hardware").glob("this_machine-*.json"))) == 1
+        code = ("import json, torch; torch.set_num_threads(%d); "
+                "from llmlab.sim.roofline import Hardware; h = Hardware.measure(); "
+                "print(json.dumps([h.matmul_flops_per_s, h.memory_bytes_per_s, "
+                "list(h.flops_curve.flops_per_s)]))" % __import__("torch").get_num_threads())
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=subprocess_env(LLMLAB_CACHE_DIR=str(tmp_path)))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == [first.matmul_flops_per_s, first.memory_bytes_per_s,
+                                           list(first.flops_curve.flops_per_s)]
+        monkeypatch.setattr(roofline, "_measure_cpu", lambda dtype: pytest.fail("re-measured"))
+        roofline._measure.cache_clear()
+        assert roofline.Hardware.measure() == first  # read back, not measured
+        monkeypatch.undo()
+        monkeypatch.setenv("LLMLAB_CACHE_DIR", str(tmp_path))
+        calls = []
+        measure_cpu = roofline._measure_cpu
+        monkeypatch.setattr(roofline, "_measure_cpu",
+                            lambda dtype: calls.append(dtype) or measure_cpu(dtype))
+        roofline.Hardware.measure(refresh=True)
+        assert calls == ["float32"]
+    finally:
+        roofline._measure.cache_clear()
