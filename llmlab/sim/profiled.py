@@ -25,6 +25,7 @@ into ``device = cycle - host`` and the host, priced ``max(device, hidden) + unhi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -35,6 +36,9 @@ from llmlab.sim.cost_model import as_shapes
 from llmlab.sim.host import HostCost, overlapped_time, overlaps
 from llmlab.sim.shape import FEATURES, BatchShape
 from llmlab.validation import as_bool
+
+# A fit whose rms error exceeds this share of its steps' mean time warns (fit's docstring).
+NOISY_FIT = 0.25
 
 DEFAULT_FEATURES = (
     "num_requests",
@@ -138,7 +142,9 @@ class ProfiledCostModel:
         *warmed-up* engine (the first steps of a fresh engine meet every shape for the
         first time and are slow; ``skip`` leaves out that many first steps). ``host`` and
         ``overlap``: the fields (for pricing overlapped steps). Raises ``ValueError`` for
-        an unknown feature, or with fewer steps than features."""
+        an unknown feature, or with fewer steps than features. Warns (``RuntimeWarning``)
+        when a regime's rms error is over :data:`NOISY_FIT` of its steps' mean time: a noisy
+        run, whose predictions would carry that error without anyone noticing."""
         features = tuple(features)
         unknown = [f for f in features if f not in FEATURES]
         if unknown:
@@ -159,6 +165,19 @@ class ProfiledCostModel:
             _fit(x[mask], y[mask]) if mask.sum() > 2 * len(features) else pooled
             for mask in (decode, ~decode)
         ]
+        for name, regime, mask in zip(("decode", "prefill"), regimes, (decode, ~decode),
+                                      strict=True):
+            times = y[mask] if mask.any() else y
+            mean = float(times.mean())
+            if mean > 0 and regime.residual_s > NOISY_FIT * mean:
+                warnings.warn(
+                    f"ProfiledCostModel.fit: its {name} steps' fit is off by "
+                    f"{regime.residual_s * 1e3:.3g} ms (rms), {regime.residual_s / mean:.0%} of "
+                    f"their mean time ({mean * 1e3:.3g} ms): the run was noisy, or the features "
+                    "miss what those steps cost, and predictions carry that error. Fit on a "
+                    "quieter or longer run (skip= its warm-up steps), or with more features.",
+                    RuntimeWarning, stacklevel=2,
+                )
         return cls(features, *regimes, host=host, overlap=overlap)
 
     def step_time(self, shape: BatchShape) -> float:

@@ -452,3 +452,33 @@ def test_the_rooflines_host_term_is_fitted_on_a_run(tiny_llama):
     assert default.per_request_s + default.executor_per_request_s == pytest.approx(5e-5, rel=1e-6)
     assert default.executor_per_request_s / default.per_request_s == pytest.approx(
         HostCost().executor_per_request_s / HostCost().per_request_s)
+
+
+def test_a_fit_to_noisy_times_warns_and_a_clean_one_does_not(tiny_llama, monkeypatch):
+    import warnings
+
+    import numpy as np
+
+    from llmlab.sim import profiled
+
+    features = ("num_requests", "num_prefill_tokens", "context_tokens")
+    truth = ProfiledCostModel(features, decode=Linear((1e-4, 0.0, 2e-6), 1e-3),
+                              prefill=Linear((5e-5, 3e-5, 1e-6), 2e-3))
+    engine = sim_engine(tiny_llama, cost_model=truth, **{**ENGINE, "num_gpu_blocks_override": 200})
+    workload = mixed_long_short(40, vocab_size=vocab_size(tiny_llama), long_prompt_len=(30, 60),
+                                short_prompt_len=(4, 12), long_output_len=(4, 20),
+                                short_output_len=(2, 12), rate=300.0, seed=4, low=2)
+    _, trace = run_workload(engine, workload)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ProfiledCostModel.fit(trace.events, features)  # exact: silent
+    as_shapes = profiled.as_shapes
+    rng = np.random.default_rng(0)
+
+    def noisy(events):  # a machine that swings each step by up to 2x either way
+        shapes, times = as_shapes(events)
+        return shapes, [t * rng.uniform(0.5, 2.0) for t in times]
+
+    monkeypatch.setattr(profiled, "as_shapes", noisy)
+    with pytest.warns(RuntimeWarning, match=r"fit is off by .* of their mean time"):
+        ProfiledCostModel.fit(trace.events, features)
