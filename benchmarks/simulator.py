@@ -82,7 +82,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from llmlab.experiments.comparison import run_workload, workload_params
+from llmlab.experiments.driver import run_workload, workload_params
 from llmlab.experiments.metrics import summarize
 from llmlab.experiments.workloads import (
     Workload,

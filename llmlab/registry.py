@@ -427,7 +427,7 @@ def check_unclaimed(components: Iterable[tuple[str, Any]]) -> None:
     """Raise ``ValueError`` for the first ``(kind, instance)`` an engine was already built
     with (names, classes and None pass: each build makes its own instance of those)."""
     for kind, component in components:
-        ref = _CLAIMED.get(id(component))
+        ref = _CLAIMED.get(id(component))  # only ever an instance's (see claim)
         if ref is not None and ref() is component:
             raise ValueError(
                 f"{kind}={_label(kind, component)} is already part of another engine, and a "
@@ -438,7 +438,8 @@ def check_unclaimed(components: Iterable[tuple[str, Any]]) -> None:
 
 
 def claim(components: Iterable[tuple[str, Any]]) -> None:
-    """Record the instances an engine was just built with (see :func:`check_unclaimed`)."""
+    """Record the instances an engine was just built with (see :func:`check_unclaimed`);
+    names, classes and None among ``components`` are skipped."""
     for _kind, component in components:
         if component is None or isinstance(component, (str, type)):
             continue

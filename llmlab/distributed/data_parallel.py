@@ -429,8 +429,7 @@ class DataParallelEngine:
         # The name and config the front end's config keeps (replicas never route).
         named = (router if isinstance(router, str) else None,
                  registry.config_dict("router", router_config))
-        given_router = [("router", router)] if router is not None and not isinstance(
-            router, (str, type)) else []
+        given_router = [("router", router)]
         registry.check_unclaimed(given_router)  # a router keeps its replicas' loads
         router = resolve_router(router, router_config)
         resolve_device(cfg.device)  # "cuda" without CUDA fails here, before any process

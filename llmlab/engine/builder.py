@@ -157,15 +157,15 @@ class EngineBuilder:
         return engine
 
     def instances(self) -> list[tuple[str, Any]]:
-        """``(kind, instance)`` of every component given as an instance (not a name)."""
-        given = [("scheduling_policy", self.scheduling_policy),
-                 ("eviction_policy", self.eviction_policy),
-                 ("attention_backend", self.attention_backend), ("sampler", self.sampler),
-                 ("eviction_policy", self.offload_eviction_policy),
-                 ("kv_press", self.kv_press), ("proposer", self.proposer),
-                 ("speculation_length", self.speculation_length),
-                 *(("plugin", p) for p in self.plugins)]
-        return [(k, v) for k, v in given if v is not None and not isinstance(v, (str, type))]
+        """``(keyword, value)`` of every component the builder holds (names, classes and
+        None among them: :func:`llmlab.registry.claim` claims only instances)."""
+        return [("scheduling_policy", self.scheduling_policy),
+                ("eviction_policy", self.eviction_policy),
+                ("attention_backend", self.attention_backend), ("sampler", self.sampler),
+                ("offload_eviction_policy", self.offload_eviction_policy),
+                ("kv_press", self.kv_press), ("proposer", self.proposer),
+                ("speculation_length", self.speculation_length),
+                *(("plugins", p) for p in self.plugins)]
 
     def with_plugin(self, plugin: Any) -> EngineBuilder:
         """Plug a feature in (a :class:`~llmlab.plugin.SchedulerPlugin` or

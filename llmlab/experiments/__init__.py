@@ -23,13 +23,8 @@ Metric definitions: :mod:`llmlab.experiments.metrics`. pandas, matplotlib and tq
 imported only when a comparison runs or is drawn.
 """
 
-from llmlab.experiments.comparison import (
-    CONFIG_KEYS,
-    KEY_METRICS,
-    Comparison,
-    compare,
-    run_workload,
-)
+from llmlab.experiments.comparison import CONFIG_KEYS, KEY_METRICS, Comparison, compare
+from llmlab.experiments.driver import run_workload
 from llmlab.experiments.metrics import RequestRecord, StepTrace, fairness_gap, summarize
 from llmlab.experiments.workloads import (
     Workload,

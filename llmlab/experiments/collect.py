@@ -4,7 +4,7 @@ A :class:`RunCollector` observes the engine's ``StepEvent``s (it is subscribed a
 observer) and reads each request's final output; every time it keeps comes from an
 event's ``end_time_s`` on the engine's clock, so a simulated run (virtual clock) and a
 real one (``time.monotonic``) are measured by the same code. Both the single-engine run
-loop (:func:`~llmlab.experiments.comparison.run_workload`) and the simulator's cluster
+loop (:func:`~llmlab.experiments.driver.run_workload`) and the simulator's cluster
 loop use it.
 """
 

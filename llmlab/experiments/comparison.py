@@ -16,15 +16,10 @@ engine's ``StepEvent``s; :mod:`llmlab.experiments.metrics` defines each of them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import gc
-import logging
 import os
-import sys
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,12 +29,10 @@ from llmlab import registry
 from llmlab.config import EngineConfig
 from llmlab.engine.engine import Engine
 from llmlab.observe.events import StepEvent
-from llmlab.experiments.collect import RunCollector
-from llmlab.experiments.metrics import RequestRecord, StepTrace, summarize
-from llmlab.experiments.workloads import Workload, WorkloadRequest
-from llmlab.sampling.params import RequestOutputKind, SamplingParams
+from llmlab.experiments.driver import run_workload
+from llmlab.experiments.metrics import RequestRecord, summarize
+from llmlab.experiments.workloads import Workload
 
-logger = logging.getLogger(__name__)
 
 COMPONENT_KEYS = ("scheduling_policy", "eviction_policy", "attention_backend", "sampler")
 """Keys of a configuration that take a component (an instance, or a registered name)."""
@@ -232,7 +225,7 @@ def compare(
             try:
                 records, trace = run_workload(engine, workload, label=label,
                                               progress=progress)
-                per_run.append({"label": label, "repeat": repeat, **_policy_names(engine),
+                per_run.append({"label": label, "repeat": repeat, **component_names(engine),
                                 **summarize(records, trace, workload.users)})
             finally:
                 del engine
@@ -245,112 +238,6 @@ def compare(
     requests = pd.concat(request_frames, ignore_index=True)
     return Comparison(workload=workload, table=table, requests=requests, events=events,
                       runs=runs_frame)
-
-
-def run_workload(
-    engine: Engine,
-    workload: Iterable[WorkloadRequest],
-    *,
-    label: str = "",
-    progress: bool = False,
-    keep_events: bool = True,
-) -> tuple[list[RequestRecord], StepTrace]:
-    """Inject ``workload`` into an idle ``engine`` at its arrival times; step until all finish.
-
-    ``workload``: a :class:`Workload` or any iterable of :class:`WorkloadRequest` in arrival
-    order (a trace streamed from a file: it is read as the run goes). Requests get ids
-    ``"0"``, ``"1"``, ... in arrival order, greedy sampling with ``ignore_eos`` (so exactly
-    ``max_tokens`` each) and final-only outputs. A request joins before the next step if it
-    arrived by the end of the step before (``StepEvent.end_time_s``); when the engine has
-    nothing to do, the loop waits for the next arrival (sleeps, or advances the clock when
-    it has an ``advance`` method: a ``VirtualClock``) and adds what arrived by then. So the
-    decisions depend only on recorded times, which lets a simulation replay them exactly.
-    Record times are seconds since the run's start, taken from the step events. On any
-    error or Ctrl-C the observer is removed and the workload's requests still in the engine
-    are aborted before the exception propagates.
-    """
-    if engine.has_unfinished_requests():
-        raise ValueError(
-            f"the engine has {engine.get_num_unfinished_requests()} unfinished request(s); "
-            "run a workload on an idle engine, so its measurements are its own"
-        )
-    clock = engine.clock
-    t0 = clock()
-    total = len(workload) if isinstance(workload, Sized) else None
-    bar = _ProgressBar(total, label, enabled=progress)
-    collector = RunCollector(t0, keep_events=keep_events, on_finish=bar.finished)
-    arrivals = iter(workload)
-    pending = next(arrivals, None)
-    num_added = 0
-    previous = 0.0
-    horizon = 0.0  # requests that arrived by then (s since t0) join before the next step
-    engine.subscribe(collector)
-    # A simulated run (virtual clock) is host-bound: keep full GC passes short.
-    simulated = callable(getattr(clock, "advance", None))
-    try:
-        with frozen_heap(simulated):
-            while True:
-                while pending is not None and pending.arrival_time <= horizon:
-                    request_id = str(num_added)
-                    previous = check_arrival(pending, previous, num_added)
-                    collector.add(request_id, pending)
-                    _add(engine, pending, request_id, t0)
-                    num_added += 1
-                    pending = next(arrivals, None)
-                if engine.has_unfinished_requests():
-                    collector.before_step()
-                    last = collector.last_end_s
-                    for out in engine.step():
-                        collector.output(out)
-                    ended = collector.last_end_s
-                    horizon = (ended if ended != last else clock()) - t0
-                elif pending is not None:
-                    _wait_until(clock, t0 + pending.arrival_time)
-                    horizon = pending.arrival_time
-                else:
-                    break
-            if collector.num_finished < num_added:
-                raise RuntimeError(
-                    "the engine has no unfinished requests but "
-                    f"{num_added - collector.num_finished} of the workload's have not "
-                    "finished (aborted from outside?)"
-                )
-    finally:
-        engine.unsubscribe(collector)
-        bar.close()
-        _abort_quietly(engine, collector.unfinished())
-    return list(collector.records.values()), collector.trace
-
-
-@contextlib.contextmanager
-def frozen_heap(enabled: bool = True) -> Iterator[None]:
-    """Keep the garbage collector's full passes off everything allocated before the block
-    (``gc.freeze``): a simulation allocates millions of short-lived objects, and each full
-    pass would otherwise walk every module, config and tensor loaded so far; it halves a
-    long simulation's time. Restored on exit."""
-    if not enabled:
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def check_arrival(request: object, previous: float, index: int) -> float:
-    """``request``'s arrival time, checked: a ``WorkloadRequest`` arriving no earlier than
-    the one before it (``previous``)."""
-    if not isinstance(request, WorkloadRequest):
-        raise TypeError(
-            f"workload item {index} must be a WorkloadRequest, got {type(request).__name__}"
-        )
-    if request.arrival_time < previous:
-        raise ValueError(
-            f"workload item {index} arrives at {request.arrival_time!r} s, before the one "
-            f"before it ({previous!r} s); a workload is in arrival order"
-        )
-    return request.arrival_time
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -450,81 +337,7 @@ def _build(model: ModelOrFactory, settings: dict[str, Any], simulated: bool = Fa
     return engine
 
 
-def _add(engine: Engine, request: WorkloadRequest, request_id: str, t0: float) -> None:
-    engine.add_request(
-        request_id,
-        {"prompt_token_ids": list(request.prompt_token_ids)},
-        workload_params(request.max_tokens),
-        arrival_time=t0 + request.arrival_time,
-        priority=request.priority,
-        user=request.user,
-    )
-
-
-@functools.lru_cache(maxsize=4096)  # params are immutable: requests may share them
-def workload_params(max_tokens: int) -> SamplingParams:
-    """How a workload request samples: greedy, exactly ``max_tokens`` tokens (EOS ignored),
-    one output at the end."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        temperature=0,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
-def _abort_quietly(engine: Engine, request_ids: list[str]) -> None:
-    """Abort what is left; an error here must not mask the one being raised."""
-    if not request_ids:
-        return
-    pending = sys.exc_info()[1] is not None
-    try:
-        engine.abort_request(request_ids)
-    except Exception:
-        if not pending:
-            raise
-        logger.exception("while cleaning up after an error, aborting requests also failed")
-
-
-def _wait_until(clock: Callable[[], float], deadline: float) -> None:
-    delay = deadline - clock()
-    if delay <= 0:
-        return
-    advance = getattr(clock, "advance", None)
-    if callable(advance):
-        advance(delay)
-    else:
-        time.sleep(delay)
-
-
-class _ProgressBar:
-    """Requests finished out of the workload's (when known), with the output rate so far
-    on the run's clock (tqdm.auto)."""
-
-    def __init__(self, total: int | None, label: str, *, enabled: bool) -> None:
-        self._bar = None
-        self._num_output_tokens = 0
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc=label or "requests", unit="req",
-                             dynamic_ncols=True, mininterval=0.5)
-
-    def finished(self, record: RequestRecord) -> None:
-        if self._bar is None:
-            return
-        self._num_output_tokens += record.num_output_tokens
-        self._bar.update(1)
-        if record.finish_s:
-            rate = self._num_output_tokens / record.finish_s
-            self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def _policy_names(engine: Engine) -> dict[str, str]:
+def component_names(engine: Engine) -> dict[str, str]:
     """Each component a row's result depends on, by name ("" where there is none)."""
     def name(component: object) -> str:
         if component is None:

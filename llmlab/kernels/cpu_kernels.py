@@ -58,8 +58,9 @@ def source_hash(source: pathlib.Path = SOURCE) -> str:
     return digest.hexdigest()[:16]
 
 
-def _machine_tag() -> str:
-    """A short digest of the CPU model and flags, because builds are ``-march=native``."""
+def machine_tag() -> str:
+    """A short digest of the CPU model and flags (builds are ``-march=native``; the
+    simulator's saved measurement of this machine is keyed by it too)."""
     text = platform.machine()
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
@@ -70,9 +71,15 @@ def _machine_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
+def cache_root() -> pathlib.Path:
+    """Where llmlab keeps what it builds or measures once: ``$LLMLAB_CACHE_DIR``, default
+    ``~/.cache/llmlab``."""
+    return pathlib.Path(os.environ.get("LLMLAB_CACHE_DIR")
+                        or pathlib.Path.home() / ".cache" / "llmlab")
+
+
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("LLMLAB_CACHE_DIR") or pathlib.Path.home() / ".cache" / "llmlab"
-    return pathlib.Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:
@@ -212,7 +219,7 @@ def _load() -> tuple[CpuKernels | None, str | None]:
             continue
         if kernels.built_from == wanted:
             return kernels, None
-    cached = cache_dir() / f"cpu_kernels-{wanted}-{_machine_tag()}.so"
+    cached = cache_dir() / f"cpu_kernels-{wanted}-{machine_tag()}.so"
     try:
         if not cached.exists():
             build(cached)

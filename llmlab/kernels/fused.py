@@ -37,14 +37,15 @@ def _kernels(*tensors: torch.Tensor):
     return cpu_kernels.load()
 
 
-def _triton(*tensors: torch.Tensor):
-    """:mod:`llmlab.kernels.triton_fused` if all ``tensors`` are contiguous CUDA tensors it
-    takes, else None."""
+def _triton(*tensors: torch.Tensor, strided: torch.Tensor | None = None):
+    """:mod:`llmlab.kernels.triton_fused` if it takes all ``tensors`` (contiguous, on CUDA)
+    and ``strided`` (any strides), else None."""
     if tensors[0].device.type != "cuda" or not all(t.is_contiguous() for t in tensors):
         return None
     from llmlab.kernels import triton_fused
 
-    return triton_fused if triton_fused.supports(*tensors) else None
+    given = tensors if strided is None else (strided, *tensors)
+    return triton_fused if triton_fused.supports(*given) else None
 
 
 def add_rms_norm(
@@ -93,10 +94,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotate ``x`` ``[T, heads, head_dim]`` in place, NeoX-style, like :func:`apply_rotary`
     (``cos``/``sin`` ``[T, rotary_dim]``); returns ``x``. ``x`` may be a strided view (e.g.
     into a fused q/k/v output)."""
-    if x.device.type == "cuda" and x.stride(-1) == 1 and x.dim() == 3:
-        gpu = _triton(cos, sin)
-        if gpu is not None and gpu.supports(x, cos, sin):
-            return gpu.rotary_(x, cos, sin)
+    gpu = _triton(cos, sin, strided=x) if x.stride(-1) == 1 and x.dim() == 3 else None
+    if gpu is not None:
+        return gpu.rotary_(x, cos, sin)
     kernels = _kernels(x, cos, sin)
     if (
         kernels is not None and x.stride(-1) == 1 and cos.is_contiguous()

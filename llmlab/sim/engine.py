@@ -138,7 +138,6 @@ def sim_engine(
         acceptance = spec.build_proposer()
         length = spec.length_policy()
     given = [("scheduling_policy", scheduling_policy), ("eviction_policy", eviction_policy)]
-    given = [(k, v) for k, v in given if v is not None and not isinstance(v, (str, type))]
     registry.check_unclaimed(given)  # an instance keeps the engine it joined's state
     scheduler = scheduler_for(cfg, num_blocks, max_model_len, policy, eviction,
                               speculation=length)

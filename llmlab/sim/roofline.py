@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import pathlib
-import platform
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -134,18 +133,13 @@ def _saved_path(dtype: str) -> pathlib.Path:
     numbers depend on, so another CPU, torch or thread count measures afresh)."""
     import torch
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            model = next((line.split(":", 1)[1].strip() for line in info
-                          if line.startswith("model name")), model)
-    except OSError:
-        pass
-    key = json.dumps([model, os.cpu_count(), torch.__version__, torch.get_num_threads(), dtype,
-                      _CPU_CURVE_ROWS, _CPU_CURVE_WIDTH, _CPU_READ_BYTES])
-    root = pathlib.Path(os.environ.get("LLMLAB_CACHE_DIR") or
-                        pathlib.Path.home() / ".cache" / "llmlab")
-    return root / "hardware" / f"this_machine-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    from llmlab.kernels.cpu_kernels import cache_root, machine_tag
+
+    key = json.dumps([machine_tag(), os.cpu_count(), torch.__version__,
+                      torch.get_num_threads(), dtype, _CPU_CURVE_ROWS, _CPU_CURVE_WIDTH,
+                      _CPU_READ_BYTES])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "hardware" / f"this_machine-{digest}.json"
 
 
 @functools.cache

@@ -11,7 +11,7 @@ on its own virtual clock. A discrete-event loop interleaves them: it always does
 earliest thing next, either routing the next arrival (if it comes no later than every
 busy replica's next step) or stepping the busy replica whose clock is furthest behind.
 A request joins its replica before that replica's next step when it arrived by the end of
-the replica's previous step, the rule :func:`~llmlab.experiments.comparison.run_workload`
+the replica's previous step, the rule :func:`~llmlab.experiments.driver.run_workload`
 follows, so one replica simulated here and one simulated engine run through
 ``run_workload`` take the same decisions at the same times. The workload is read as the
 run goes (a trace of millions of requests streams from its file), and step events are
@@ -31,11 +31,11 @@ import attrs
 from llmlab import registry
 from llmlab.observe.events import StepEvent
 from llmlab.experiments.collect import RunCollector
-from llmlab.experiments.comparison import (
-    _abort_quietly,
-    _add,
-    _policy_names,
-    _ProgressBar,
+from llmlab.experiments.comparison import component_names
+from llmlab.experiments.driver import (
+    ProgressBar,
+    abort_quietly,
+    add_workload_request,
     check_arrival,
     frozen_heap,
 )
@@ -167,7 +167,7 @@ def simulate(
         engines.append(sim_engine(model, **kwargs))
     views = [EngineReplica(i, engine) for i, engine in enumerate(engines)]
     total = len(workload) if isinstance(workload, Sized) else None
-    bar = _ProgressBar(total, name or "simulate", enabled=progress)
+    bar = ProgressBar(total, name or "simulate", enabled=progress)
     collectors = [
         RunCollector(engine.clock(), keep_events=keep_events, keep_tokens=False,
                      on_finish=bar.finished, compact=True)
@@ -185,7 +185,7 @@ def simulate(
         bar.close()
         for engine, collector in zip(engines, collectors, strict=True):
             engine.unsubscribe(collector)
-            _abort_quietly(engine, collector.unfinished())
+            abort_quietly(engine, collector.unfinished())
     wall_s = time.perf_counter() - started
     return _result(name or getattr(workload, "name", "workload"), engines, collectors,
                    num_steps, wall_s)
@@ -216,7 +216,7 @@ def _run(workload, router, engines, views, collectors, on_finish) -> int:
                 clocks[chosen].advance(max(pending.arrival_time - clocks[chosen](), 0.0))
             collectors[chosen].add(request_id, pending)
             views[chosen].routed(request_id, pending.num_prompt_tokens, pending.max_tokens)
-            _add(engine, pending, request_id, 0.0)
+            add_workload_request(engine, pending, request_id, 0.0)
             num_added += 1
             pending = next(arrivals, None)
         elif busy >= 0:
@@ -253,7 +253,7 @@ def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
     users = list(dict.fromkeys(u for c in collectors for u in c.columns.user))
     rows, gaps = {}, []
     for i, (engine, collector) in enumerate(zip(engines, collectors, strict=True)):
-        row = {**_policy_names(engine), **summarize(collector.columns, collector.trace, users)}
+        row = {**component_names(engine), **summarize(collector.columns, collector.trace, users)}
         rows[f"replica {i}"] = row
         gaps.append(row["fairness_gap_tokens"])
     everyone = RecordColumns()
@@ -264,7 +264,7 @@ def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
     for collector in collectors:
         for user, amount in collector.trace.served_total.items():
             merged.served_total[user] = merged.served_total.get(user, 0) + amount
-    overall = {**_policy_names(engines[0]), **summarize(everyone, merged, users)}
+    overall = {**component_names(engines[0]), **summarize(everyone, merged, users)}
     del everyone
     known = [g for g in gaps if not math.isnan(g)]
     overall["fairness_gap_tokens"] = max(known) if known else math.nan

@@ -11,7 +11,7 @@ import json
 import attrs
 import pytest
 
-from llmlab.experiments.comparison import run_workload
+from llmlab.experiments.driver import run_workload
 from llmlab.sim import BatchShape, HostCost, ProfiledCostModel, RooflineCostModel, sim_engine
 from llmlab.sim.cost_model import with_overlap
 from llmlab.sim.profiled import Linear

@@ -21,7 +21,7 @@ from llmlab.experiments import (
     mixed_long_short,
     shared_prefix_chat,
 )
-from llmlab.experiments.comparison import run_workload
+from llmlab.experiments.driver import run_workload
 from llmlab.sim import (
     BatchShape,
     ProfiledCostModel,
