@@ -87,7 +87,8 @@ def test_the_self_check_passes_and_names_what_fails(monkeypatch):
                                    head_dim=32, rotary_dim=32, inner=96) is None
 
     def broken(gate_up):
-        return torch.zeros(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype)
+        return torch.zeros(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype,
+                           device=gate_up.device)
 
     monkeypatch.setattr(triton_fused, "silu_and_mul", broken)
     reason = triton_fused.self_check(torch.device(DEVICE), torch.float32, hidden=64,
