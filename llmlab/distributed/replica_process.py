@@ -43,6 +43,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -148,6 +149,8 @@ class ReplicaInfo:
     block_size: int
     num_kv_blocks: int
     enable_prefix_caching: bool
+    # Its components by name (llmlab.observe.components): they live in its process.
+    components: Mapping[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -391,6 +394,8 @@ class _ReplicaLoop:
         self.sender = PipeWriter(conn, "llmlab-dp-sender")
 
     def run(self) -> None:
+        from llmlab.observe.components import component_names
+
         kv = self.engine.kv_cache
         _report(self.sender, ReplicaReady(ReplicaInfo(
             pid=os.getpid(),
@@ -404,6 +409,7 @@ class _ReplicaLoop:
             block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks,
             enable_prefix_caching=kv.enable_prefix_caching,
+            components=component_names(self.engine),
         )))
         heartbeat = _Heartbeat(self, self.heartbeat_interval_s)
         try:

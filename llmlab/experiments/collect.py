@@ -3,9 +3,10 @@
 A :class:`RunCollector` observes the engine's ``StepEvent``s (it is subscribed as an
 observer) and reads each request's final output; every time it keeps comes from an
 event's ``end_time_s`` on the engine's clock, so a simulated run (virtual clock) and a
-real one (``time.monotonic``) are measured by the same code. Both the single-engine run
-loop (:func:`~llmlab.experiments.driver.run_workload`) and the simulator's cluster
-loop use it.
+real one (``time.monotonic``) are measured by the same code. The single-engine run loop
+(:func:`~llmlab.experiments.driver.run_workload`) uses one; the data-parallel one
+(:func:`~llmlab.experiments.driver.run_replicated`) and the simulator's cluster loop one
+per replica.
 """
 
 from __future__ import annotations

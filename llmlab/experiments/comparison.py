@@ -12,6 +12,14 @@ own), runs the workload with every request injected at its arrival time (open lo
 engine steps while it has work and waits for the next arrival when it has none), and is
 released before the next one is built. Metrics come from the requests' outputs and the
 engine's ``StepEvent``s; :mod:`llmlab.experiments.metrics` defines each of them.
+
+A configuration with ``data_parallel_size > 1`` runs on that many replicas behind its
+``router``, real or simulated, so one call compares routers on both:
+
+    configs = {name: {"data_parallel_size": 2, "router": name}
+               for name in ("round_robin", "prefix_aware")}
+    compare(workload, configs, model=path)                    # replica processes
+    compare(workload, configs, model=path, executor="sim")    # simulate(replicas=2, ...)
 """
 
 from __future__ import annotations
@@ -27,10 +35,18 @@ import numpy as np
 
 from llmlab import registry
 from llmlab.config import EngineConfig
+from llmlab.distributed.data_parallel import DataParallelEngine, resolve_router
 from llmlab.engine.engine import Engine
+from llmlab.observe.components import COMPONENT_COLUMNS, component_names, name_of
 from llmlab.observe.events import StepEvent
-from llmlab.experiments.driver import run_workload
-from llmlab.experiments.metrics import RequestRecord, summarize
+from llmlab.experiments.driver import run_replicated, run_workload
+from llmlab.experiments.metrics import (
+    RecordColumns,
+    RequestRecord,
+    StepTrace,
+    merge_traces,
+    summarize,
+)
 from llmlab.experiments.workloads import Workload
 
 
@@ -72,8 +88,12 @@ class Comparison:
         requests: one row per request, configuration and run (columns ``label``,
             ``repeat``): the fields of
             :class:`~llmlab.experiments.metrics.RequestRecord` (times in seconds since the
-            run's start) plus ``ttft_s`` and ``e2e_s``.
-        events: each configuration's ``StepEvent``s, in step order (its first run's).
+            run's start) plus ``replica`` (the replica that served it; 0 on one engine),
+            ``ttft_s`` and ``e2e_s``. ``output_token_ids`` is None where the simulator's
+            cluster loop (a simulated ``data_parallel_size > 1``) kept no tokens.
+        events: each configuration's ``StepEvent``s, in step order (its first run's); on
+            several replicas, every replica's in order of ``end_time_s``, each with its
+            replica's own ``step_index`` and block ids.
         runs: one row per run (columns ``label``, ``repeat``, then the table's): with
             ``repeats > 1`` the table summarizes these.
     """
@@ -164,11 +184,22 @@ def compare(
         workload: the requests and their arrival times.
         configs: ``{label: {keyword: value}}``, or a sequence of dicts each with a
             ``"label"``; the keywords are ``LLM``'s (:data:`CONFIG_KEYS`): engine settings
-            and components, given as instances or registered names.
+            and components, given as instances or registered names. With
+            ``data_parallel_size > 1`` the run is data-parallel behind ``router`` (a
+            registered name, ``round_robin`` when unset, or an instance): on real engines
+            ``LLM(model, data_parallel_size=N, router=...)``'s replica processes
+            (:func:`~llmlab.experiments.driver.run_replicated`: requests join as the clock
+            passes their arrival, up to one replica step late), in simulation
+            :func:`~llmlab.sim.simulate` with ``replicas=N``. The row is the whole run's:
+            every replica's requests, their traces merged
+            (:func:`~llmlab.experiments.metrics.merge_traces`: a step is one replica's
+            step, what each step-based column then means is said there), ``router``
+            naming the router.
         model: a model directory or hub id, built with ``LLM(model, **kwargs)`` (a
             configuration may set its own ``model``); or a factory ``model(**kwargs)``
-            returning an ``Engine`` (or an ``LLM``), e.g. one with a simulated executor and
-            a ``VirtualClock``, whose keywords are its own (not checked here).
+            returning an ``Engine``, a ``DataParallelEngine`` or an ``LLM`` around either,
+            e.g. one with a simulated executor and a ``VirtualClock``, whose keywords are
+            its own (not checked here).
         engine_kwargs: keywords shared by every configuration (a configuration's own value
             wins). Every component instance (here or in a configuration) is deep-copied for
             its run, so engines never share component state and the instances given are
@@ -186,8 +217,10 @@ def compare(
             ``hardware``. The table's columns are the same either way.
 
     Raises ``ValueError`` before anything runs for an empty workload or ``configs``, a
-    duplicate or empty label, an unknown keyword (naming it and the allowed ones), or an
-    unknown component name (the registry's message, which lists the available names).
+    duplicate or empty label, an unknown keyword (naming it and the allowed ones), an
+    unknown component or router name (the registry's message, which lists the available
+    names), or a ``router`` without ``data_parallel_size > 1``; ``TypeError`` when a
+    factory returns something else than what it may.
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
@@ -207,6 +240,7 @@ def compare(
     for label, settings in runs.items():
         _check_settings(f"configs[{label!r}]", settings, is_llm=is_llm, simulated=simulated)
         if is_llm:
+            _check_router(label, {**shared, **settings})
             _check_engine_config(model, label, {**shared, **settings})
 
     import pandas as pd
@@ -221,15 +255,10 @@ def compare(
             # fresh, and a comparison can run again on the same configurations.
             merged = {k: copy.deepcopy(v) if k in _INSTANCE_KEYS and not isinstance(v, str)
                       else v for k, v in {**shared, **settings}.items()}
-            engine = _build(model, merged, simulated)
-            try:
-                records, trace = run_workload(engine, workload, label=label,
-                                              progress=progress)
-                per_run.append({"label": label, "repeat": repeat, **component_names(engine),
-                                **summarize(records, trace, workload.users)})
-            finally:
-                del engine
-                _release_memory()
+            names, records, traces = _run(model, merged, simulated, workload, label, progress)
+            trace = traces[0] if len(traces) == 1 else merge_traces(traces)
+            per_run.append({"label": label, "repeat": repeat, **names,
+                            **summarize(_everyone(records), trace, workload.users)})
             request_frames.append(_requests_frame(label, records, repeat))
             events.setdefault(label, tuple(trace.events))
     runs_frame = pd.DataFrame(per_run)
@@ -304,9 +333,28 @@ def _check_settings(
     return dict(settings)
 
 
+def _check_router(label: str, settings: dict[str, Any]) -> None:
+    """A configuration's router (with ``engine_kwargs``'): only with ``data_parallel_size
+    > 1`` (a router picks among replicas), and one the registry can build."""
+    router, config = settings.get("router"), settings.get("router_config")
+    if router is None and not config:
+        return
+    replicas = settings.get("data_parallel_size", 1)
+    if not (isinstance(replicas, int) and replicas > 1):
+        raise ValueError(
+            f"configs[{label!r}] sets router={router!r} with data_parallel_size="
+            f"{replicas!r}: a router picks each request's replica, so it needs "
+            "data_parallel_size > 1 (an int, here or in engine_kwargs); set one, or leave "
+            "router and router_config unset"
+        )
+    resolve_router(router, config)  # an unknown name: the registry lists the known ones
+
+
 def _check_engine_config(model: str | os.PathLike, label: str, settings: dict) -> None:
     """Build the ``EngineConfig`` now, so a bad value fails before any configuration runs."""
     values = {k: v for k, v in settings.items() if k not in COMPONENT_KEYS + SIM_KEYS}
+    if not isinstance(values.get("router"), (str, type(None))):
+        del values["router"]  # an instance (checked already): the config holds names only
     values.setdefault("model", model if model is not None else "built-in")
     try:
         EngineConfig(**values)
@@ -316,7 +364,65 @@ def _check_engine_config(model: str | os.PathLike, label: str, settings: dict) -
         raise
 
 
-def _build(model: ModelOrFactory, settings: dict[str, Any], simulated: bool = False) -> Engine:
+def _run(
+    model: ModelOrFactory, settings: dict[str, Any], simulated: bool, workload: Workload,
+    label: str, progress: bool,
+) -> tuple[dict[str, str], list, list[StepTrace]]:
+    """One run of one configuration on a fresh engine, released after it: its components'
+    names, then per replica (one for a single engine) the records of the requests it
+    served and its step trace."""
+    replicas = settings.get("data_parallel_size", 1)
+    if simulated and replicas > 1:
+        return _simulate_replicas(model, settings, workload, label, progress)
+    engine = _build(model, settings, simulated)
+    try:
+        if isinstance(engine, DataParallelEngine):
+            collectors = run_replicated(engine, workload, label=label, progress=progress)
+            # The replicas' components live in their processes: each reported its names.
+            names = {**engine.replicas[0].info.components, "router": name_of(engine.router)}
+            return (names, [list(c.records.values()) for c in collectors],
+                    [c.trace for c in collectors])
+        records, trace = run_workload(engine, workload, label=label, progress=progress)
+        return component_names(engine), [records], [trace]
+    finally:
+        if isinstance(engine, DataParallelEngine):
+            engine.shutdown()
+        del engine
+        _release_memory()
+
+
+def _simulate_replicas(
+    model: ModelOrFactory, settings: dict[str, Any], workload: Workload, label: str,
+    progress: bool,
+) -> tuple[dict[str, str], list, list[StepTrace]]:
+    """:func:`_run` in simulation with ``data_parallel_size`` replicas: the simulator's
+    cluster loop, behind the same router."""
+    from llmlab.sim.run import simulate
+
+    settings = dict(settings)
+    replicas = settings.pop("data_parallel_size")
+    router = resolve_router(settings.pop("router", None), settings.pop("router_config", None))
+    result = simulate(workload, model=settings.pop("model", model), replicas=replicas,
+                      router=router, progress=progress, keep_events=True, name=label,
+                      **settings)
+    names = {column: result.overall[column] for column in COMPONENT_COLUMNS}
+    return names, list(result.records), list(result.traces)
+
+
+def _everyone(records: list) -> list[RequestRecord] | RecordColumns:
+    """Every replica's records as one set (the simulator's cluster loop keeps columns)."""
+    if len(records) == 1:
+        return records[0]
+    if isinstance(records[0], RecordColumns):
+        merged = RecordColumns()
+        for columns in records:
+            merged.extend(columns)
+        return merged
+    return [record for part in records for record in part]
+
+
+def _build(model: ModelOrFactory, settings: dict[str, Any],
+           simulated: bool = False) -> Engine | DataParallelEngine:
     if simulated:
         from llmlab.sim.engine import sim_engine
 
@@ -330,37 +436,35 @@ def _build(model: ModelOrFactory, settings: dict[str, Any], simulated: bool = Fa
         settings = dict(settings)
         built = LLM(settings.pop("model", model), **settings)
     engine = getattr(built, "llm_engine", built)
-    if not isinstance(engine, Engine):
+    if not isinstance(engine, (Engine, DataParallelEngine)):
+        inner = f" around a {type(engine).__name__}" if engine is not built else ""
         raise TypeError(
-            f"the model factory must return an Engine or an LLM, got {type(built).__name__}"
+            "the model factory must return an Engine, a DataParallelEngine, or an LLM "
+            f"around either; got {type(built).__name__}{inner}"
         )
     return engine
 
 
-def component_names(engine: Engine) -> dict[str, str]:
-    """Each component a row's result depends on, by name ("" where there is none)."""
-    def name(component: object) -> str:
-        if component is None:
-            return ""
-        return getattr(component, "name", None) or type(component).__name__
-
-    # The scheduler holds its plugins guarded (scheduler/guard.py): the plugin inside.
-    plugins = {p.name: getattr(p, "plugin", p) for p in getattr(engine.scheduler, "plugins", ())}
-    press = plugins.get("kv_press")
-    speculator = getattr(getattr(engine, "executor", None), "speculator", None)
-    return {
-        "scheduling_policy": name(engine.scheduler.policy),
-        "eviction_policy": name(engine.kv_cache.eviction),
-        "kv_press": name(getattr(press, "press", None)),
-        "proposer": name(getattr(speculator, "proposer", None)),
-        "router": name(getattr(engine, "router", None)),
-    }
-
-
-def _requests_frame(label: str, records: list[RequestRecord], repeat: int = 0):
+def _requests_frame(label: str, records: list, repeat: int = 0):
+    """One row per request in arrival order, from each replica's records (a list of
+    :class:`RequestRecord`, or the simulator's cluster loop's columns, which keep no
+    token ids)."""
     import pandas as pd
 
-    frame = pd.DataFrame([attrs.asdict(r, recurse=False) for r in records])
+    frames = []
+    for replica, part in enumerate(records):
+        if isinstance(part, RecordColumns):
+            frame = part.to_pandas()
+            frame["request_id"] = frame["request_id"].astype(str)
+            frame["output_token_ids"] = None
+        elif part:
+            frame = pd.DataFrame([attrs.asdict(r, recurse=False) for r in part])
+        else:
+            continue  # a replica that served nothing
+        frame.insert(1, "replica", replica)
+        frames.append(frame)
+    frame = pd.concat(frames, ignore_index=True).sort_values(
+        "request_id", key=lambda ids: ids.astype(int), ignore_index=True)
     for column in ("first_token_s", "finish_s"):
         frame[column] = frame[column].astype(float)
     frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]

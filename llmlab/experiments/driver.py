@@ -1,7 +1,8 @@
 """Run one workload on one engine: each request injected at its arrival time, the engine
 stepped until all finish, the records and step trace collected. The loop
-:func:`~llmlab.experiments.comparison.compare` runs per configuration and run, and the
-simulator's cluster loop (:mod:`llmlab.sim.run`) shares its arrival rule and helpers.
+:func:`~llmlab.experiments.comparison.compare` runs per configuration and run
+(:func:`run_replicated` on a data-parallel engine), and the simulator's cluster loop
+(:mod:`llmlab.sim.run`) shares its arrival rule and helpers.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any
 
 from llmlab.engine.engine import Engine
 from llmlab.experiments.collect import RunCollector
 from llmlab.experiments.metrics import RequestRecord, StepTrace
 from llmlab.experiments.workloads import WorkloadRequest
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from llmlab.distributed.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +50,8 @@ def run_workload(
     error or Ctrl-C the observer is removed and the workload's requests still in the engine
     are aborted before the exception propagates.
     """
-    if engine.has_unfinished_requests():
-        raise ValueError(
-            f"the engine has {engine.get_num_unfinished_requests()} unfinished request(s); "
-            "run a workload on an idle engine, so its measurements are its own"
-        )
     clock = engine.clock
-    t0 = clock()
-    total = len(workload) if isinstance(workload, Sized) else None
-    bar = ProgressBar(total, label, enabled=progress)
+    t0, bar = _begin(engine, workload, label, progress)
     collector = RunCollector(t0, keep_events=keep_events, on_finish=bar.finished)
     arrivals = iter(workload)
     pending = next(arrivals, None)
@@ -96,6 +94,88 @@ def run_workload(
         bar.close()
         abort_quietly(engine, collector.unfinished())
     return list(collector.records.values()), collector.trace
+
+
+def run_replicated(
+    engine: DataParallelEngine,
+    workload: Iterable[WorkloadRequest],
+    *,
+    label: str = "",
+    progress: bool = False,
+    keep_events: bool = True,
+) -> list[RunCollector]:
+    """:func:`run_workload` on a data-parallel engine: one
+    :class:`~llmlab.experiments.collect.RunCollector` per replica, holding the records of
+    the requests routed there and that replica's step trace (its events reach the front
+    end with the replica's index: ``subscribe(..., replica=True)``).
+
+    The same requests, ids and sampling as :func:`run_workload`. The replicas step on
+    their own, so there is no step of the whole engine to join: a request is added as soon
+    as the front end's clock passes its arrival time, checked each time ``step()``
+    returns (after a replica's report, or ``step_timeout_s`` without one), so it may join
+    up to one replica step late; its arrival is still its scheduled time. The users
+    backlogged at a replica's step (for the fairness gap) are those with a request there
+    not known finished when that step's report is read. Times are on ``time.monotonic``,
+    which replicas on one machine share (Ray replicas on other nodes do not: their times
+    would not compare). A replica that fails or stops answering fails the run.
+    """
+    clock = engine.clock
+    t0, bar = _begin(engine, workload, label, progress)
+    collectors = [RunCollector(t0, keep_events=keep_events, on_finish=bar.finished)
+                  for _ in engine.replicas]
+    replica_of: dict[str, int] = {}  # request id -> the replica it was routed to
+
+    def observe(index: int, event) -> None:
+        collectors[index].before_step()
+        collectors[index](event)
+
+    arrivals = iter(workload)
+    pending = next(arrivals, None)
+    num_added = 0
+    previous = 0.0
+    engine.subscribe(observe, replica=True)
+    try:
+        while True:
+            now = clock() - t0
+            while pending is not None and pending.arrival_time <= now:
+                request_id = str(num_added)
+                previous = check_arrival(pending, previous, num_added)
+                add_workload_request(engine, pending, request_id, t0)
+                index = replica_of[request_id] = next(
+                    r.replica_index for r in engine.replicas if request_id in r.requests)
+                collectors[index].add(request_id, pending)
+                num_added += 1
+                pending = next(arrivals, None)
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    collectors[replica_of[out.request_id]].output(out)
+            elif pending is not None:
+                _wait_until(clock, t0 + pending.arrival_time)
+            else:
+                break
+        num_finished = sum(c.num_finished for c in collectors)
+        if num_finished < num_added:
+            raise RuntimeError(
+                f"the engine has no unfinished requests but {num_added - num_finished} of "
+                "the workload's have not finished (aborted from outside, or moved off a "
+                "replica that stopped answering?)"
+            )
+    finally:
+        engine.unsubscribe(observe)
+        bar.close()
+        abort_quietly(engine, [i for c in collectors for i in c.unfinished()])
+    return collectors
+
+
+def _begin(engine: Any, workload: object, label: str, progress: bool) -> tuple[float, ProgressBar]:
+    """A run's start on the engine's clock and its progress bar; refuses a busy engine."""
+    if engine.has_unfinished_requests():
+        raise ValueError(
+            f"the engine has {engine.get_num_unfinished_requests()} unfinished request(s); "
+            "run a workload on an idle engine, so its measurements are its own"
+        )
+    total = len(workload) if isinstance(workload, Sized) else None
+    return engine.clock(), ProgressBar(total, label, enabled=progress)
 
 
 @contextlib.contextmanager

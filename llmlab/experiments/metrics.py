@@ -24,6 +24,11 @@ arrival ``t0 + arrival_time``, so time spent before the engine first saw it coun
   ``prefill_tokens`` (sum of ``num_prefill_tokens``); ``recomputed_tokens``, tokens whose KV
   had been computed before (recomputation after preemption); ``kv_blocks_peak`` /
   ``kv_blocks_mean``, blocks held per step (total minus free, cached-free counted free).
+
+On several replicas (data parallelism, real or simulated) each replica steps on its own
+and a "step" is one replica's step: the records of every replica make one set of requests
+(latencies, throughput and hit rate as above), and each replica's trace is merged by
+:func:`merge_traces`, which says what each step-based metric then means.
 """
 
 from __future__ import annotations
@@ -257,6 +262,56 @@ class StepTrace:
     def service(self) -> list[dict[str | None, int]]:
         """Tokens computed per user in each step (kept with the events)."""
         return self.served
+
+
+@attrs.frozen
+class WorstGap:
+    """The fairness gap of a run on several replicas: the largest of theirs (each replica
+    schedules only the requests routed to it, so a gap is measured per replica; NaN when no
+    replica had two users backlogged at once). Reads as a :class:`FairnessMeter`."""
+
+    meters: tuple[FairnessMeter, ...]
+
+    def value(self) -> float:
+        known = [g for g in (m.value() for m in self.meters) if not math.isnan(g)]
+        return max(known) if known else math.nan
+
+
+def merge_traces(traces: Sequence[StepTrace]) -> StepTrace:
+    """One trace for a run on several replicas (data parallelism), each replica's steps
+    traced on their own; :func:`summarize` reads it as one engine's (module docstring).
+
+    Tokens, preemptions and steps add up; the step-based latencies are each request's count
+    of its own replica's steps, averaged over every request; ``kv_blocks_peak`` is the most
+    one replica held, ``kv_blocks_mean`` the mean over every replica's steps of what that
+    replica held; the fairness gap is the largest replica's (:class:`WorstGap`). The
+    events (when kept) are every replica's, in order of ``end_time_s``; each keeps its
+    replica's ``step_index`` and block ids.
+    """
+    merged = StepTrace(keep_events=all(t.keep_events for t in traces))
+    for trace in traces:
+        for user, amount in trace.served_total.items():
+            merged.served_total[user] = merged.served_total.get(user, 0) + amount
+        merged.num_preemptions += trace.num_preemptions
+        merged.num_steps += trace.num_steps
+        merged.prefill_tokens += trace.prefill_tokens
+        merged.recomputed_tokens += trace.recomputed_tokens
+        merged.kv_blocks_peak = max(merged.kv_blocks_peak, trace.kv_blocks_peak)
+        merged.kv_blocks_sum += trace.kv_blocks_sum
+        for total, part in ((merged.ttft_steps, trace.ttft_steps),
+                            (merged.e2e_steps, trace.e2e_steps)):
+            total[0] += part[0]
+            total[1] += part[1]
+    merged.fairness = WorstGap(tuple(t.fairness for t in traces))
+    steps = sorted(
+        (step for t in traces for step in zip(t.events, t.backlogged, t.served, strict=True)),
+        key=lambda step: step[0].end_time_s,
+    )
+    for event, backlogged, served in steps:
+        merged.events.append(event)
+        merged.backlogged.append(backlogged)
+        merged.served.append(served)
+    return merged
 
 
 def fairness_gap(

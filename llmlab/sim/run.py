@@ -31,7 +31,6 @@ import attrs
 from llmlab import registry
 from llmlab.observe.events import StepEvent
 from llmlab.experiments.collect import RunCollector
-from llmlab.experiments.comparison import component_names
 from llmlab.experiments.driver import (
     ProgressBar,
     abort_quietly,
@@ -39,8 +38,9 @@ from llmlab.experiments.driver import (
     check_arrival,
     frozen_heap,
 )
-from llmlab.experiments.metrics import RecordColumns, StepTrace, summarize
+from llmlab.experiments.metrics import RecordColumns, StepTrace, merge_traces, summarize
 from llmlab.experiments.workloads import WorkloadRequest
+from llmlab.observe.components import component_names, name_of
 from llmlab.routing.policy import check_choice
 from llmlab.routing.replica import EngineReplica
 from llmlab.validation import as_int
@@ -67,13 +67,15 @@ class SimulationResult:
     Attributes:
         name: the workload's name (or the trace file's).
         table: one row per replica (``"replica 0"``, ...) and ``"overall"``: the columns of
-            :func:`~llmlab.experiments.compare`'s table (the overall fairness gap is the
-            largest of the replicas').
+            :func:`~llmlab.experiments.compare`'s table; the overall row merges the
+            replicas' traces (:func:`~llmlab.experiments.metrics.merge_traces` says what
+            each step-based metric then means: the fairness gap is the largest replica's).
         records: each replica's finished requests, as
             :class:`~llmlab.experiments.metrics.RecordColumns` (a few numbers each).
         events: each replica's ``StepEvent``s (empty unless ``keep_events``).
         num_steps: engine steps simulated, all replicas together.
         wall_s: real seconds the simulation took.
+        traces: each replica's :class:`~llmlab.experiments.metrics.StepTrace`.
     """
 
     name: str
@@ -82,6 +84,7 @@ class SimulationResult:
     events: tuple[tuple[StepEvent, ...], ...]
     num_steps: int
     wall_s: float
+    traces: tuple[StepTrace, ...] = ()
 
     @functools.cached_property
     def requests(self) -> Any:
@@ -188,7 +191,7 @@ def simulate(
             abort_quietly(engine, collector.unfinished())
     wall_s = time.perf_counter() - started
     return _result(name or getattr(workload, "name", "workload"), engines, collectors,
-                   num_steps, wall_s)
+                   num_steps, wall_s, name_of(router))
 
 
 def _run(workload, router, engines, views, collectors, on_finish) -> int:
@@ -245,31 +248,23 @@ def _router(router: Any) -> Any:
     return router
 
 
-def _result(name, engines, collectors, num_steps, wall_s) -> SimulationResult:
-    import math
-
+def _result(name, engines, collectors, num_steps, wall_s, router) -> SimulationResult:
     import pandas as pd
 
     users = list(dict.fromkeys(u for c in collectors for u in c.columns.user))
-    rows, gaps = {}, []
-    for i, (engine, collector) in enumerate(zip(engines, collectors, strict=True)):
-        row = {**component_names(engine), **summarize(collector.columns, collector.trace, users)}
-        rows[f"replica {i}"] = row
-        gaps.append(row["fairness_gap_tokens"])
+    names = {**component_names(engines[0]), "router": router}
+    rows = {
+        f"replica {i}": {**names, **summarize(c.columns, c.trace, users)}
+        for i, c in enumerate(collectors)
+    }
     everyone = RecordColumns()
     for collector in collectors:
         everyone.extend(collector.columns)
-    merged = StepTrace(keep_events=False)
-    merged.num_preemptions = sum(c.trace.num_preemptions for c in collectors)
-    for collector in collectors:
-        for user, amount in collector.trace.served_total.items():
-            merged.served_total[user] = merged.served_total.get(user, 0) + amount
-    overall = {**component_names(engines[0]), **summarize(everyone, merged, users)}
+    traces = tuple(c.trace for c in collectors)
+    overall = {**names, **summarize(everyone, merge_traces(traces), users)}
     del everyone
-    known = [g for g in gaps if not math.isnan(g)]
-    overall["fairness_gap_tokens"] = max(known) if known else math.nan
     table = pd.DataFrame.from_dict({**rows, "overall": overall}, orient="index")
     table.index.name = "replica"
-    events = tuple(tuple(c.trace.events) for c in collectors)
+    events = tuple(tuple(t.events) for t in traces)
     records = tuple(c.columns for c in collectors)
-    return SimulationResult(name, table, records, events, num_steps, wall_s)
+    return SimulationResult(name, table, records, events, num_steps, wall_s, traces)
