@@ -26,9 +26,11 @@ functions per simulated step.
 ``--threads`` torch threads, default 1: this 2-core machine is shared). One real engine
 runs everything, warmed up first on every workload shape with other prompts (a fresh
 engine's first steps meet each shape for the first time and run several times slower). It
-records the calibration workload (``mixed_long_short``, 120 requests at 30/s), then
-``--repeats`` times runs the calibration workload and two others (``few_shot``: 100
-requests at 25/s on 3 long templates; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s),
+records the calibration workload (``mixed_long_short``, 120 requests at 30/s, then 12 short
+ones 0.25 s apart, each waking an idle engine), then ``--repeats`` times runs the
+calibration workload and three held-out shapes (``bursty_decode``: 5 bursts of 12
+decode-heavy requests 0.8 s apart; ``long_prompt``: 60 prompts of 300-480 tokens with
+4-16 output tokens at 15/s; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s),
 each repeat drawn with its own seed (so no run finds an earlier one's prompts in the prefix
 cache), workloads interleaved so load drift hits all alike. ``ProfiledCostModel`` is fitted
 on every recording of the calibration workload (the fit on the first recording alone is
@@ -87,7 +89,7 @@ from llmlab.experiments.metrics import summarize
 from llmlab.experiments.workloads import (
     Workload,
     WorkloadRequest,
-    few_shot,
+    bursts,
     mixed_long_short,
     shared_prefix_chat,
 )
@@ -332,25 +334,51 @@ def _settings_text(settings: Mapping[str, Any]) -> str:
 
 # -- accuracy ----------------------------------------------------------------------------
 
+TARGET_ERROR = 0.10  # the simulator's bar on the held-out shapes (issue 42)
 ACCURACY_SETTINGS = {"dtype": "float32", "max_num_seqs": 16, "block_size": 16,
                      "num_gpu_blocks_override": 512, "seed": 0}
 
 
 def calibration_workload(num_requests: int = 120, seed: int = 1,
-                         rate: float | None = 30.0) -> Workload:
-    return mixed_long_short(
+                         rate: float | None = 30.0, num_sparse: int | None = None) -> Workload:
+    """Long and short requests at ``rate`` (Poisson), then ``num_sparse`` (default: a
+    tenth) short ones 0.25 s apart, each waking an idle engine: a fit needs those steps
+    to price the first step after an idle gap, which a busy stream rarely has."""
+    mixed = mixed_long_short(
         num_requests, vocab_size=VOCAB_SIZE, long_fraction=0.3, long_prompt_len=(200, 400),
         long_output_len=(32, 96), short_prompt_len=(16, 64), short_output_len=(8, 48),
         rate=rate, seed=seed, low=LOW,
     )
+    num_sparse = num_requests // 10 if num_sparse is None else num_sparse
+    if rate is None or not num_sparse:
+        return mixed
+    sparse = mixed_long_short(
+        num_sparse, vocab_size=VOCAB_SIZE, long_fraction=0.0, short_prompt_len=(16, 64),
+        short_output_len=(8, 48), rate=None, seed=10_000 + seed, low=LOW,
+    )
+    # (Its seed is no target workload's: a shared draw would share prompt blocks, so a real
+    # engine's prefix cache would carry hits from this run into the next.)
+    last = mixed.requests[-1].arrival_time
+    tail = [attrs.evolve(r, arrival_time=last + 0.5 + 0.25 * i)
+            for i, r in enumerate(sparse.requests)]
+    return Workload("calibration", [*mixed.requests, *tail])
 
 
-def target_workloads(num_requests: int = 100, num_conversations: int = 16,
+def target_workloads(num_requests: int = 60, num_conversations: int = 16,
                      num_turns: int = 5, seed: int = 0) -> dict[str, Workload]:
+    """The held-out shapes (issue 42): decode-heavy bursts with idle gaps between them,
+    long prompts with short outputs (prefill-heavy), and multi-turn chats on a shared
+    system prompt (prefix hits). None resembles the calibration workload's mix."""
+    burst = min(12, num_requests)
     return {
-        "few_shot": few_shot(
-            num_requests, vocab_size=VOCAB_SIZE, num_templates=3, template_len=(150, 300),
-            question_len=(8, 24), output_len=(16, 64), rate=25.0, seed=2 + seed, low=LOW,
+        "bursty_decode": bursts(
+            max(1, num_requests // burst), burst, vocab_size=VOCAB_SIZE, gap_s=0.8,
+            spread_s=0.05, prompt_len=(16, 48), output_len=(48, 112), seed=2 + seed, low=LOW,
+        ),
+        "long_prompt": mixed_long_short(
+            num_requests, vocab_size=VOCAB_SIZE, long_fraction=1.0,
+            long_prompt_len=(300, 480), long_output_len=(4, 16), rate=15.0, seed=4 + seed,
+            low=LOW,
         ),
         "shared_prefix_chat": shared_prefix_chat(
             num_conversations, num_turns, vocab_size=VOCAB_SIZE, system_prompt_len=96,
@@ -585,13 +613,11 @@ def step_time_error(cost, runs_events) -> dict[str, dict[str, float]]:
     """Per regime (pure decode steps, the rest), over the real runs' steps: the mean
     measured cycle time and the model's signed error on those same shapes, which is the
     cost model's own error, before queueing amplifies it into latencies."""
-    from llmlab.sim.cost_model import measured_step_times
-    from llmlab.sim.shape import BatchShape
+    from llmlab.sim.cost_model import as_shapes
 
     sums = {"decode": [0, 0.0, 0.0], "prefill": [0, 0.0, 0.0]}
     for events in runs_events:
-        for event, seconds in measured_step_times(events):
-            shape = BatchShape.of_event(event)
+        for shape, seconds in zip(*as_shapes(events), strict=True):
             cell = sums["decode" if shape.is_decode else "prefill"]
             cell[0] += 1
             cell[1] += seconds
@@ -614,11 +640,16 @@ def _print_error_table(out: dict, second: str, label: str) -> None:
                   f"{w['roofline'][m] * 1e3:>9.1f} {w['roofline_error'][m]:>+7.1%} "
                   f"{w['roofline_host_error'][m]:>+7.1%}")
     for model in ("profiled", second, "roofline", "roofline_host"):
-        cells = [abs(w[f"{model}_error"][m]) for name, w in out["workloads"].items()
+        cells = [(abs(w[f"{model}_error"][m]), w["real_spread"][m])
+                 for name, w in out["workloads"].items()
                  if name != "calibration" for m in ACCURACY_METRICS]
-        within = sum(e <= 0.05 for e in cells)
-        print(f"{model}: {within} of {len(cells)} target cells within 5%, "
-              f"largest |error| {max(cells):.1%}")
+        within = sum(e <= 0.05 for e, _ in cells)
+        # Issue 42's bar: within 10% of the real mean, or within the real runs' own spread
+        # where that is larger.
+        target = sum(e <= max(TARGET_ERROR, spread) for e, spread in cells)
+        print(f"{model}: {within} of {len(cells)} target cells within 5%, {target} within "
+              f"{TARGET_ERROR:.0%} or the real spread, largest |error| "
+              f"{max(e for e, _ in cells):.1%}")
 
 
 def _print_accuracy(out: dict) -> None:

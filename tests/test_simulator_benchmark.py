@@ -68,7 +68,8 @@ def test_accuracy_on_tiny_workloads_reports_every_metric_and_replays_the_decisio
         short_warmup=simulator.calibration_workload(3, seed=102, rate=None),
         verbose=False,
     )
-    assert set(out["workloads"]) == {"calibration", "few_shot", "shared_prefix_chat"}
+    assert set(out["workloads"]) == {"calibration", "bursty_decode", "long_prompt",
+                                     "shared_prefix_chat"}
     assert set(out["profiled"]) == set(out["profiled_one_run"]) == {"decode", "prefill"}
     for name, w in out["workloads"].items():
         for key in ("real_mean", "real_spread", "profiled", "profiled_error",
@@ -81,7 +82,8 @@ def test_accuracy_on_tiny_workloads_reports_every_metric_and_replays_the_decisio
         (check,) = w["replay"]
         assert check["identical"], (name, check["differences"])
         assert check["summary"]["num_admissions"] == w["num_requests"]
-    assert out["workloads"]["few_shot"]["replay"][0]["summary"]["prefix_hit_blocks"] > 0
+    assert out["workloads"]["shared_prefix_chat"]["replay"][0]["summary"][
+        "prefix_hit_blocks"] > 0
     # The same draws on an overlapped engine, priced overlapped (and as sync, for contrast).
     assert set(out["overlapped"]["workloads"]) == set(out["workloads"])
     for name, w in out["overlapped"]["workloads"].items():

@@ -29,6 +29,7 @@ from llmlab.experiments.metrics import RequestRecord, StepTrace, fairness_gap, s
 from llmlab.experiments.workloads import (
     Workload,
     WorkloadRequest,
+    bursts,
     few_shot,
     mixed_long_short,
     multi_tenant,
@@ -44,6 +45,7 @@ __all__ = [
     "StepTrace",
     "Workload",
     "WorkloadRequest",
+    "bursts",
     "compare",
     "fairness_gap",
     "few_shot",

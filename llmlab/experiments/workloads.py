@@ -335,6 +335,45 @@ def mixed_long_short(
     return Workload("mixed_long_short", requests)
 
 
+def bursts(
+    num_bursts: int = 4,
+    burst_size: int = 8,
+    *,
+    vocab_size: int,
+    gap_s: float = 1.0,
+    spread_s: float = 0.0,
+    prompt_len: LengthSpec = (16, 64),
+    output_len: LengthSpec = (64, 128),
+    seed: int = 0,
+    low: int = 0,
+) -> Workload:
+    """Requests in bursts: ``num_bursts`` groups of ``burst_size``, the ``k``-th starting at
+    ``k * gap_s`` s: its first request then, the others uniformly within ``spread_s`` s after
+    (0: all at once). With long outputs (the default) it is decode-heavy, and
+    with a gap longer than a burst's run the engine goes idle between bursts: the case
+    where the first step after an idle gap and a queue built at once decide TTFT."""
+    num_bursts = as_int("num_bursts", num_bursts, min=1)
+    burst_size = as_int("burst_size", burst_size, min=1)
+    gap_s = as_real("gap_s", gap_s, min=0)
+    spread_s = as_real("spread_s", spread_s, min=0)
+    vocab_size, low = _vocab(vocab_size, low)
+    prompt_spec = _length("prompt_len", prompt_len)
+    output_spec = _length("output_len", output_len)
+    rng = _seed(seed)
+
+    n = num_bursts * burst_size
+    offsets = rng.uniform(0.0, spread_s, size=(num_bursts, burst_size))
+    offsets[:, 0] = 0.0  # each burst's first request arrives at its start
+    times = np.sort(np.arange(num_bursts)[:, None] * gap_s + np.sort(offsets, axis=1), axis=None)
+    prompt_lens = _lengths(rng, prompt_spec, n)
+    output_lens = _lengths(rng, output_spec, n)
+    requests = [
+        WorkloadRequest(time, _tokens(rng, p, low, vocab_size), out)
+        for time, p, out in zip(times.tolist(), prompt_lens, output_lens, strict=True)
+    ]
+    return Workload("bursts", requests)
+
+
 def multi_tenant(
     num_requests: int = 32,
     *,

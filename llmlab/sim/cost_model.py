@@ -125,23 +125,33 @@ def measured_step_times(events: Iterable[StepEvent]) -> list[tuple[StepEvent, fl
 
     The cycle of step ``k`` runs from the end of the step before it to its own end: the
     host time between the two (the driver's loop, adding arrivals) belongs to it. After
-    the engine sat idle (nothing waiting or running after the previous step) it starts at
-    the earliest arrival it then received instead, so idle time never counts. The first
-    step starts at the earliest arrival it received (or at its own start).
+    the engine sat idle (nothing waiting or running after the previous step) until an
+    arrival woke it, it starts at that arrival instead, so idle time never counts. The
+    first step starts at the earliest arrival it received (or at its own start).
     """
-    out = []
+    return [(event, seconds) for event, seconds, _ in _cycles(events)]
+
+
+def _cycles(events: Iterable[StepEvent]):
+    """``(event, cycle seconds, woke)`` per step that ran a batch (:func:`measured_step_times`);
+    ``woke``: the engine sat idle, waiting for an arrival, before it (and the first step).
+    An arrival during the step before an empty engine's next one is no wake-up: the
+    engine never waited (a simulated engine's clock never moved: the same rule)."""
     previous: StepEvent | None = None
     for event in events:
         if event.scheduled:
-            begin = event.start_time_s
-            idle = previous is None or (previous.num_waiting == 0 and previous.num_running == 0)
-            if not idle:
+            first = min((a.arrival_time for a in event.arrived), default=None)
+            if previous is None:
+                woke = True
+                begin = event.start_time_s if first is None else min(event.start_time_s, first)
+            else:
                 begin = previous.end_time_s
-            elif event.arrived:
-                begin = min(begin, min(a.arrival_time for a in event.arrived))
-            out.append((event, max(event.end_time_s - begin, 0.0)))
+                woke = previous.num_waiting == 0 and previous.num_running == 0 and (
+                    first is None or first > begin)
+                if woke:
+                    begin = event.start_time_s if first is None else first
+            yield event, max(event.end_time_s - begin, 0.0), woke
         previous = event
-    return out
 
 
 @attrs.define
@@ -181,9 +191,11 @@ class ReplayCostModel:
 
 
 def as_shapes(events: Iterable[StepEvent]) -> tuple[list[BatchShape], list[float]]:
-    """The shapes and measured cycle times (:func:`measured_step_times`) of a real run."""
+    """The shapes and measured cycle times (:func:`measured_step_times`) of a real run;
+    each shape's ``after_idle`` says whether the engine sat idle before its step."""
     shapes, times = [], []
-    for event, seconds in measured_step_times(events):
-        shapes.append(BatchShape.of_event(event))
+    for event, seconds, woke in _cycles(events):
+        shape = BatchShape.of_event(event)
+        shapes.append(attrs.evolve(shape, after_idle=1) if woke else shape)
         times.append(seconds)
     return shapes, times

@@ -58,6 +58,9 @@ class SimulatedExecutor:
     # Per row: output tokens so far and the most it may get (to count finishing requests).
     _outputs: dict[int, int] = attrs.field(factory=dict, repr=False)
     _limits: dict[int, int] = attrs.field(factory=dict, repr=False)
+    # The clock when the last step ended: a driver advances it only while the engine is
+    # idle, so a later clock at the next step means the engine sat idle before it.
+    _last_end: float | None = attrs.field(default=None, repr=False)
 
     def execute(self, batch: ScheduledBatch) -> BatchOutput:
         outputs, limits = self._outputs, self._limits
@@ -110,9 +113,12 @@ class SimulatedExecutor:
                 forks.append(())
         if forks is not None:
             forks.extend([()] * (len(entries) - len(forks)))
-        shape = BatchShape.of_batch(batch, drafted, finishing)
+        now = self.clock()
+        idle = self._last_end is None or now > self._last_end
+        shape = BatchShape.of_batch(batch, drafted, finishing, idle)
         seconds = step_time(self.cost_model, shape)
         self.clock.advance(seconds)
+        self._last_end = self.clock()
         return BatchOutput(
             token_ids=tuple(token_ids),
             logprobs=tuple(logprobs),

@@ -64,7 +64,7 @@ class HostCost:
 
         hidden   = per_step_s + per_request_s * num_requests + per_admission_s * num_admitted
         unhidden = executor_per_step_s + executor_per_request_s * num_requests
-                   + per_token_s * num_tokens
+                   + per_token_s * num_tokens + per_wakeup_s * after_idle
         time     = hidden + unhidden
 
     ``hidden``: the engine thread's scheduling and commit (the scheduler, token updates,
@@ -72,7 +72,9 @@ class HostCost:
     while the device computes. ``unhidden``: the executor thread's work (the batch's inputs
     and metadata, sampling, the runner's glue), on the critical path in either loop. Work
     per admitted request is the scheduler's (hidden); work per token is input preparation
-    (unhidden: the side that never makes a prediction optimistic).
+    (unhidden: the side that never makes a prediction optimistic). ``per_wakeup_s``: the
+    first step after the engine sat idle (``BatchShape.after_idle``): the driver's sleep
+    overshooting and the arrivals added before it; nothing runs beside it to hide it.
 
     The defaults are this repository's 2-core CPU VM (2026-11-28):
     ``python -m benchmarks.host_overhead --running 16 64 256 --model-kind null --loop sync``
@@ -100,6 +102,7 @@ class HostCost:
     executor_per_request_s: float = attrs.field(
         default=3.3e-6, converter=_nonnegative_real("executor_per_request_s")
     )
+    per_wakeup_s: float = attrs.field(default=0.0, converter=_nonnegative_real("per_wakeup_s"))
 
     def hidden_time(self, shape: BatchShape) -> float:
         """The engine thread's part: what an overlapped engine hides behind the device."""
@@ -115,6 +118,7 @@ class HostCost:
             self.executor_per_step_s
             + self.executor_per_request_s * shape.num_requests
             + self.per_token_s * shape.num_tokens
+            + self.per_wakeup_s * shape.after_idle
         )
 
     def time(self, shape: BatchShape) -> float:
@@ -122,7 +126,7 @@ class HostCost:
         return self.hidden_time(shape) + self.unhidden_time(shape)
 
     def with_totals(self, per_step_s: float, per_request_s: float, per_token_s: float,
-                    per_admission_s: float) -> HostCost:
+                    per_admission_s: float, per_wakeup_s: float = 0.0) -> HostCost:
         """A term with these totals (both threads together), the per-step and per-request
         ones split between the threads in this term's proportions (all to the engine
         thread where this term has nothing). For a fit that sees only whole steps."""
@@ -137,7 +141,7 @@ class HostCost:
         return HostCost(
             per_step_s=step, per_request_s=request, per_token_s=per_token_s,
             per_admission_s=per_admission_s, executor_per_step_s=executor_step,
-            executor_per_request_s=executor_request,
+            executor_per_request_s=executor_request, per_wakeup_s=per_wakeup_s,
         )
 
     @classmethod

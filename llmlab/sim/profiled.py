@@ -51,6 +51,7 @@ DEFAULT_FEATURES = (
     "num_admitted",
     "num_preempted",
     "num_finished",
+    "after_idle",
 )
 """The :class:`~llmlab.sim.shape.BatchShape` fields a profiled model fits on by default."""
 

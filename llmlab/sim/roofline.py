@@ -385,7 +385,8 @@ class RooflineCostModel:
     def fit_host(self, events: Iterable[StepEvent]) -> RooflineCostModel:
         """This model with its :class:`HostCost` fitted on a *synchronous* run's step
         events: each step's measured cycle (:func:`~llmlab.sim.cost_model.measured_step_times`)
-        less its roofline time, by least squares with every term >= 0. The device part
+        less its roofline time, by least squares with every term >= 0 (per step, request,
+        token, admission, and per wake-up after an idle gap). The device part
         stays the hardware's; only what the hardware cannot explain goes to the host. A
         step event does not say which thread spent its host time: the fitted per-step and
         per-request terms are split between the engine and executor threads in the
@@ -399,11 +400,13 @@ class RooflineCostModel:
                 f"fitting the host term needs at least 5 steps that ran a batch, got "
                 f"{len(shapes)}"
             )
-        x = np.array([[s.num_requests, s.num_tokens, s.num_admitted] for s in shapes],
-                     dtype=np.float64)
+        x = np.array([[s.num_requests, s.num_tokens, s.num_admitted, s.after_idle]
+                      for s in shapes], dtype=np.float64)
         y = np.asarray(times) - np.array([self.device_time(s) for s in shapes])
-        (per_request, per_token, per_admission), per_step = _nonnegative_least_squares(x, y)
+        (per_request, per_token, per_admission, per_wakeup), per_step = (
+            _nonnegative_least_squares(x, y))
         return attrs.evolve(self, host=self.host.with_totals(
             per_step_s=per_step, per_request_s=float(per_request),
             per_token_s=float(per_token), per_admission_s=float(per_admission),
+            per_wakeup_s=float(per_wakeup),
         ))

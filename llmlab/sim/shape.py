@@ -34,6 +34,7 @@ FEATURES = (
     "num_preempted",
     "num_finished",
     "num_forks",
+    "after_idle",
 )
 """The fields of :class:`BatchShape`, in order (the columns a profiled model fits on)."""
 
@@ -62,6 +63,12 @@ class BatchShape:
         num_preempted: requests preempted while the batch was built.
         num_finished: requests that finished this step.
         num_forks: parallel samples (n / best_of) that started this step.
+        after_idle: 1 for the first step after the engine sat idle (nothing waiting or
+            running; and a run's first step), else 0. Its measured cycle starts at the
+            arrival that woke the engine, so it holds the wake-up: the driver's sleep
+            overshooting, adding the arrivals, cold caches (a GPU's clocks ramping up).
+            :meth:`of_event` cannot tell (one event does not say what came before):
+            :func:`~llmlab.sim.cost_model.as_shapes` sets it from the run's events.
     """
 
     num_requests: int = 0
@@ -76,6 +83,7 @@ class BatchShape:
     num_preempted: int = 0
     num_finished: int = 0
     num_forks: int = 0
+    after_idle: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +105,12 @@ class BatchShape:
         batch: ScheduledBatch,
         num_drafted: Sequence[int] | None = None,
         num_finished: int = 0,
+        after_idle: bool = False,
     ) -> BatchShape:
         """The shape of ``batch`` as an executor sees it. ``num_drafted``: per entry, the
         draft tokens it verifies (None: none); ``num_finished``: requests the step ends
-        (an executor that knows the output lengths counts them)."""
+        (an executor that knows the output lengths counts them); ``after_idle``: the
+        engine sat idle before it."""
         entries = batch.entries
         drafts, sampled, context, positions = _work(
             (e.start, len(e.token_ids), 0 if num_drafted is None else num_drafted[i],
@@ -121,6 +131,7 @@ class BatchShape:
             num_preempted=len(batch.preempted),
             num_finished=num_finished,
             num_forks=sum(len(e.forks) for e in entries),
+            after_idle=int(after_idle),
         )
 
     @classmethod

@@ -10,6 +10,7 @@ import pytest
 from llmlab.experiments import (
     Workload,
     WorkloadRequest,
+    bursts,
     fairness_gap,
     few_shot,
     mixed_long_short,
@@ -35,6 +36,10 @@ GENERATORS = {
     ),
     "multi_tenant": lambda seed, **kw: multi_tenant(
         12, vocab_size=VOCAB, prompt_len=(4, 8), output_len=(1, 4), rate=5.0, seed=seed, **kw,
+    ),
+    "bursts": lambda seed, **kw: bursts(
+        3, 4, vocab_size=VOCAB, gap_s=1.0, spread_s=0.1, prompt_len=(4, 8), output_len=(5, 9),
+        seed=seed, **kw,
     ),
 }
 
@@ -135,6 +140,19 @@ def test_multi_tenant_leaves_the_light_user_at_least_one_request():
     assert sorted(r.user for r in workload) == ["a", "b"]
 
 
+def test_bursts_arrive_in_groups_gap_apart_within_their_spread():
+    workload = bursts(4, 5, vocab_size=VOCAB, gap_s=2.0, spread_s=0.25, prompt_len=(3, 6),
+                      output_len=(7, 9), seed=1)
+    times = np.array([r.arrival_time for r in workload])
+    assert len(times) == 20
+    groups = np.floor(times / 2.0).astype(int)
+    assert np.bincount(groups).tolist() == [5, 5, 5, 5]
+    assert (times - 2.0 * groups <= 0.25).all()
+    assert all(3 <= r.num_prompt_tokens <= 6 and 7 <= r.max_tokens <= 9 for r in workload)
+    at_once = bursts(2, 3, vocab_size=VOCAB, gap_s=1.0)
+    assert [r.arrival_time for r in at_once] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize(
     "call, field",
     [
@@ -154,6 +172,10 @@ def test_multi_tenant_leaves_the_light_user_at_least_one_request():
         (lambda: multi_tenant(1, vocab_size=VOCAB), "num_requests"),
         (lambda: multi_tenant(4, vocab_size=VOCAB, light_user="heavy"), "heavy_user"),
         (lambda: poisson_arrivals(-1, 1.0), "n"),
+        (lambda: bursts(0, 2, vocab_size=VOCAB), "num_bursts"),
+        (lambda: bursts(2, 0, vocab_size=VOCAB), "burst_size"),
+        (lambda: bursts(2, 2, vocab_size=VOCAB, gap_s=-1.0), "gap_s"),
+        (lambda: bursts(2, 2, vocab_size=VOCAB, spread_s=-0.5), "spread_s"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(call, field):

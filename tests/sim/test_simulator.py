@@ -17,6 +17,7 @@ from llmlab.errors import ComponentError
 from llmlab.experiments import (
     Workload,
     WorkloadRequest,
+    bursts,
     compare,
     mixed_long_short,
     shared_prefix_chat,
@@ -30,6 +31,7 @@ from llmlab.sim import (
     sim_engine,
     simulate,
 )
+from llmlab.sim.cost_model import as_shapes
 from llmlab.sim.profiled import Linear
 
 # A small pool (forcing preemption and eviction), small blocks (prefix hits), chunked prefill.
@@ -257,6 +259,57 @@ def test_the_profiled_fit_recovers_a_known_linear_cost(tiny_llama):
         assert got.intercept == pytest.approx(want.intercept, rel=1e-6, abs=1e-9)
         assert got.coefficients == pytest.approx(want.coefficients, rel=1e-6, abs=1e-9)
         assert got.residual_s < 1e-9
+
+
+def bursty(model: str, gap_s: float = 0.5) -> Workload:
+    return bursts(3, 3, vocab_size=vocab_size(model), gap_s=gap_s, prompt_len=(4, 10),
+                  output_len=(2, 5), seed=1, low=2)
+
+
+def test_the_first_step_after_an_idle_gap_is_flagged_alike_in_real_and_simulated_runs(
+        tiny_llama):
+    """Three bursts far apart: the engine idles between them. The shapes fitted on (from
+    the real run's events) and the shapes priced (by the simulated executor) both flag the
+    first step of each burst, and only those."""
+    workload = bursty(tiny_llama)
+    engine = LLM(tiny_llama, **ENGINE).llm_engine
+    _, trace = run_workload(engine, workload)
+    shapes, _ = as_shapes(trace.events)
+    real = [s.after_idle for s in shapes]
+
+    priced = []
+
+    @attrs.define
+    class Recording(Fixed):
+        def step_time(self, shape: BatchShape) -> float:
+            priced.append(shape.after_idle)
+            return super().step_time(shape)
+
+    _, sim_trace = run_workload(sim_engine(tiny_llama, cost_model=Recording(), **ENGINE), workload)
+    assert real == priced
+    assert sum(real) == 3 and real[0] == 1
+    # Each flagged step admits a burst's first requests; no other step admits any.
+    ran = [e for e in sim_trace.events if e.scheduled]
+    assert [bool(flag) for flag in priced] == [bool(e.admitted) for e in ran]
+
+
+def test_the_profiled_fit_recovers_a_wake_up_cost(tiny_llama):
+    """A simulated run whose first step after each idle gap costs 5 ms more: the fit on
+    its events gives the 5 ms back as the ``after_idle`` coefficient."""
+    features = ("num_requests", "num_prefill_tokens", "after_idle")
+    truth = ProfiledCostModel(features, decode=Linear((1e-4, 0.0, 0.0), 1e-3),
+                              prefill=Linear((5e-5, 3e-5, 5e-3), 2e-3))
+    engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
+    # Poisson arrivals among the bursts: prefill steps that did not wake the engine too.
+    poisson = mixed_long_short(30, vocab_size=vocab_size(tiny_llama), long_prompt_len=(30, 60),
+                               short_prompt_len=(4, 12), long_output_len=(4, 20),
+                               short_output_len=(2, 12), rate=60.0, seed=3, low=2)
+    workload = Workload("bursts", sorted([*bursty(tiny_llama).requests, *poisson.requests],
+                                         key=lambda r: r.arrival_time))
+    _, trace = run_workload(engine, workload)
+    fitted = ProfiledCostModel.fit(trace.events, features)
+    assert fitted.prefill.coefficients[2] == pytest.approx(5e-3, rel=1e-6)
+    assert fitted.prefill.intercept == pytest.approx(2e-3, rel=1e-6)
 
 
 def test_the_profiled_fit_refuses_unknown_features_and_too_few_steps():
