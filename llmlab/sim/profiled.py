@@ -39,6 +39,8 @@ from llmlab.validation import as_bool
 
 # A fit whose rms error exceeds this share of its steps' mean time warns (fit's docstring).
 NOISY_FIT = 0.25
+# Steps a feature must be nonzero on to be fitted (_nonnegative_least_squares).
+MIN_SUPPORT = 3
 
 DEFAULT_FEATURES = (
     "num_requests",
@@ -213,12 +215,14 @@ def _fit(x: np.ndarray, y: np.ndarray) -> Linear:
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     """Least squares with an intercept and every coefficient >= 0: drop the most negative
     coefficient's feature and refit until none is negative. Columns are scaled to unit
-    norm first, so features counted in thousands and in ones weigh alike."""
+    norm first, so features counted in thousands and in ones weigh alike. A feature nonzero
+    on fewer than :data:`MIN_SUPPORT` steps is left out: its price would be those few
+    steps' noise (a run's one wake-up, a cold first step, would price every later one)."""
     n, k = x.shape
     scale = np.linalg.norm(x, axis=0)
     scale[scale == 0] = 1.0
     xs = x / scale
-    active = [j for j in range(k) if np.any(x[:, j])]
+    active = [j for j in range(k) if np.count_nonzero(x[:, j]) >= MIN_SUPPORT]
     while True:
         design = np.column_stack([np.ones(n), xs[:, active]]) if active else np.ones((n, 1))
         solution, *_ = np.linalg.lstsq(design, y, rcond=None)

@@ -312,6 +312,24 @@ def test_the_profiled_fit_recovers_a_wake_up_cost(tiny_llama):
     assert fitted.prefill.intercept == pytest.approx(2e-3, rel=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:ProfiledCostModel.fit:RuntimeWarning")  # the 5 ms it misses
+def test_a_feature_seen_on_too_few_steps_is_left_out_of_the_fit(tiny_llama):
+    """One wake-up (the run's first step) cannot price every later one: its coefficient
+    would be that one step's noise. The fit leaves such a feature out."""
+    features = ("num_requests", "num_prefill_tokens", "after_idle")
+    truth = ProfiledCostModel(features, decode=Linear((1e-4, 0.0, 0.0), 1e-3),
+                              prefill=Linear((5e-5, 3e-5, 5e-3), 2e-3))
+    engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
+    busy = mixed_long_short(30, vocab_size=vocab_size(tiny_llama), long_prompt_len=(30, 60),
+                            short_prompt_len=(4, 12), long_output_len=(4, 20),
+                            short_output_len=(2, 12), rate=2000.0, seed=3, low=2)
+    _, trace = run_workload(engine, busy)
+    shapes, _ = as_shapes(trace.events)
+    assert sum(s.after_idle for s in shapes) == 1  # the first step alone
+    fitted = ProfiledCostModel.fit(trace.events, features)
+    assert fitted.prefill.coefficients[2] == 0.0 == fitted.decode.coefficients[2]
+
+
 def test_the_profiled_fit_refuses_unknown_features_and_too_few_steps():
     with pytest.raises(ValueError, match="unknown feature"):
         ProfiledCostModel.fit([], ("num_requests", "num_blocks"))
