@@ -27,8 +27,8 @@ functions per simulated step.
 runs everything, warmed up first on every workload shape with other prompts (a fresh
 engine's first steps meet each shape for the first time and run several times slower). It
 records the calibration workload (``mixed_long_short``, 120 requests at 30/s; then 40 at
-30/s on three long shared prefixes; then 12 short ones 0.25 s apart, each waking an idle
-engine), then ``--repeats`` times runs the
+30/s on three long shared prefixes; then 12 short ones 0.25 s apart, each waking an
+idle engine), then ``--repeats`` times runs the
 calibration workload and three held-out shapes (``bursty_decode``: 5 bursts of 12
 decode-heavy requests 0.8 s apart; ``long_prompt``: 60 prompts of 300-480 tokens with
 4-16 output tokens at 15/s; ``shared_prefix_chat``: 16 chats x 5 turns at 40/s),
@@ -91,6 +91,7 @@ from llmlab.experiments.workloads import (
     Workload,
     WorkloadRequest,
     bursts,
+    chain,
     few_shot,
     mixed_long_short,
     shared_prefix_chat,
@@ -347,8 +348,8 @@ def calibration_workload(num_requests: int = 120, seed: int = 1,
     """Long and short requests at ``rate`` (Poisson); then ``num_prefixed`` (default: a
     third) at the same rate that share three long prefixes (short chunks computed over a
     cached prefix: a cost that uncached prompts cannot tell apart from their prefill
-    tokens'); then ``num_sparse`` (default: a tenth) short ones 0.25 s apart, each waking
-    an idle engine: a fit needs those steps to price the first step after an idle gap,
+    tokens'); then ``num_sparse`` (default: a tenth) short ones 0.25 s apart, each waking an
+    idle engine: a fit needs those steps to price the first step after an idle gap,
     which a busy stream rarely has. Each part draws its own seed, no target workload's (a
     shared draw would share prompt blocks, so a real engine's prefix cache would carry
     hits from one run into the next)."""
@@ -361,23 +362,20 @@ def calibration_workload(num_requests: int = 120, seed: int = 1,
         return mixed
     num_sparse = num_requests // 10 if num_sparse is None else num_sparse
     num_prefixed = num_requests // 3 if num_prefixed is None else num_prefixed
-    parts = [mixed.requests]
+    parts = [mixed]
     if num_prefixed:
         parts.append(few_shot(
             num_prefixed, vocab_size=VOCAB_SIZE, num_templates=3, template_len=(150, 300),
             question_len=(8, 32), output_len=(8, 48), rate=rate, seed=20_000 + seed, low=LOW,
-        ).requests)
+        ))
     if num_sparse:
-        parts.append(mixed_long_short(
+        spaced = mixed_long_short(
             num_sparse, vocab_size=VOCAB_SIZE, long_fraction=0.0, short_prompt_len=(16, 64),
             short_output_len=(8, 48), rate=None, seed=10_000 + seed, low=LOW,
-        ).requests)
-        parts[-1] = [attrs.evolve(r, arrival_time=0.25 * i) for i, r in enumerate(parts[-1])]
-    requests, start = [], 0.0
-    for part in parts:  # one after the other, 0.5 s apart
-        requests += [attrs.evolve(r, arrival_time=start + r.arrival_time) for r in part]
-        start = requests[-1].arrival_time + 0.5
-    return Workload("calibration", requests)
+        )
+        parts.append(Workload("spaced", [attrs.evolve(r, arrival_time=0.25 * i)
+                                         for i, r in enumerate(spaced.requests)]))
+    return chain(*parts, name="calibration")
 
 
 def target_workloads(num_requests: int = 60, num_conversations: int = 16,

@@ -374,6 +374,25 @@ def bursts(
     return Workload("bursts", requests)
 
 
+def chain(*workloads: Workload, gap_s: float = 0.5, name: str | None = None) -> Workload:
+    """The workloads one after the other: each starts ``gap_s`` s after the previous one's
+    last arrival (its own arrival times shifted so). For a calibration run that shows a
+    fit every kind of step: a busy stream, prompts over cached prefixes, idle gaps."""
+    if not workloads:
+        raise ValueError("chain needs at least one workload")
+    for i, workload in enumerate(workloads):
+        if not isinstance(workload, Workload):
+            raise TypeError(f"workloads[{i}] must be a Workload, got {type(workload).__name__}")
+    gap_s = as_real("gap_s", gap_s, min=0)
+    requests: list[WorkloadRequest] = []
+    start = 0.0
+    for workload in workloads:
+        requests += [attrs.evolve(r, arrival_time=start + r.arrival_time) for r in workload]
+        if requests:
+            start = requests[-1].arrival_time + gap_s
+    return Workload(name or "+".join(w.name for w in workloads), requests)
+
+
 def multi_tenant(
     num_requests: int = 32,
     *,

@@ -11,6 +11,7 @@ from llmlab.experiments import (
     Workload,
     WorkloadRequest,
     bursts,
+    chain,
     fairness_gap,
     few_shot,
     mixed_long_short,
@@ -151,6 +152,25 @@ def test_bursts_arrive_in_groups_gap_apart_within_their_spread():
     assert all(3 <= r.num_prompt_tokens <= 6 and 7 <= r.max_tokens <= 9 for r in workload)
     at_once = bursts(2, 3, vocab_size=VOCAB, gap_s=1.0)
     assert [r.arrival_time for r in at_once] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_chain_plays_workloads_one_after_the_other_gap_apart():
+    first = bursts(2, 2, vocab_size=VOCAB, gap_s=1.0, seed=0)
+    second = GENERATORS["few_shot"](1)
+    chained = chain(first, second, gap_s=0.5)
+    assert len(chained) == len(first) + len(second)
+    assert chained.name == "bursts+few_shot"
+    times = [r.arrival_time for r in chained]
+    assert times[:4] == [0.0, 0.0, 1.0, 1.0]
+    assert times[4:] == pytest.approx([1.5 + r.arrival_time for r in second])
+    assert [r.prompt_token_ids for r in chained] == [
+        r.prompt_token_ids for r in (*first, *second)]
+    with pytest.raises(ValueError, match="at least one"):
+        chain()
+    with pytest.raises(ValueError, match="gap_s"):
+        chain(first, gap_s=-1.0)
+    with pytest.raises(TypeError, match=r"workloads\[1\]"):
+        chain(first, [1, 2])
 
 
 @pytest.mark.parametrize(
