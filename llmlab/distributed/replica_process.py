@@ -151,6 +151,9 @@ class ReplicaInfo:
     enable_prefix_caching: bool
     # Its components by name (llmlab.observe.components): they live in its process.
     components: Mapping[str, str] = attrs.field(factory=dict)
+    # Objects its process froze out of the garbage collector's full passes when its engine
+    # was built (llmlab.utils.gc_heap): the process serves that engine for its life.
+    gc_frozen: int = 0
 
 
 @attrs.frozen
@@ -395,7 +398,9 @@ class _ReplicaLoop:
 
     def run(self) -> None:
         from llmlab.observe.components import component_names
+        from llmlab.utils.gc_heap import freeze_heap
 
+        frozen = freeze_heap()
         kv = self.engine.kv_cache
         _report(self.sender, ReplicaReady(ReplicaInfo(
             pid=os.getpid(),
@@ -410,6 +415,7 @@ class _ReplicaLoop:
             num_kv_blocks=kv.num_blocks,
             enable_prefix_caching=kv.enable_prefix_caching,
             components=component_names(self.engine),
+            gc_frozen=frozen,
         )))
         heartbeat = _Heartbeat(self, self.heartbeat_interval_s)
         try:

@@ -224,6 +224,7 @@ def _build_app(build_app, engine, args, names, model, api_key, chat_template, or
                tool_parser):
     """The server's app from the serve flags."""
     return build_app(engine, served_model_names=names, model_path=model, api_key=api_key,
+                     freeze_gc=True,  # this process serves this one engine for its life
                      chat_template=chat_template, allowed_origins=origins,
                      trust_request_chat_template=args.trust_request_chat_template,
                      open_metrics=args.open_metrics, open_docs=args.open_docs,

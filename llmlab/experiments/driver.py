@@ -7,19 +7,18 @@ stepped until all finish, the records and step trace collected. The loop
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Sized
 from typing import TYPE_CHECKING, Any
 
 from llmlab.engine.engine import Engine
 from llmlab.experiments.collect import RunCollector
 from llmlab.experiments.metrics import RequestRecord, StepTrace
 from llmlab.experiments.workloads import WorkloadRequest
+from llmlab.utils.gc_heap import frozen_heap
 from llmlab.sampling.params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -176,22 +175,6 @@ def _begin(engine: Any, workload: object, label: str, progress: bool) -> tuple[f
         )
     total = len(workload) if isinstance(workload, Sized) else None
     return engine.clock(), ProgressBar(total, label, enabled=progress)
-
-
-@contextlib.contextmanager
-def frozen_heap(enabled: bool = True) -> Iterator[None]:
-    """Keep the garbage collector's full passes off everything allocated before the block
-    (``gc.freeze``): a simulation allocates millions of short-lived objects, and each full
-    pass would otherwise walk every module, config and tensor loaded so far; it halves a
-    long simulation's time. Restored on exit."""
-    if not enabled:
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def check_arrival(request: object, previous: float, index: int) -> float:

@@ -36,13 +36,13 @@ from llmlab.experiments.driver import (
     abort_quietly,
     add_workload_request,
     check_arrival,
-    frozen_heap,
 )
 from llmlab.experiments.metrics import RecordColumns, StepTrace, merge_traces, summarize
 from llmlab.experiments.workloads import WorkloadRequest
 from llmlab.observe.components import component_names, name_of
 from llmlab.routing.policy import check_choice
 from llmlab.routing.replica import EngineReplica
+from llmlab.utils.gc_heap import frozen_heap
 from llmlab.validation import as_int
 
 # Steps in a row that may go by with nothing happening before the loop gives up (an

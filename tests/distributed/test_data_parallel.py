@@ -119,6 +119,9 @@ def test_greedy_outputs_equal_one_engines_in_prompt_order(dp_llm, reference):
     assert isinstance(dp_llm.llm_engine, DataParallelEngine)
     assert dp_llm.llm_engine.config.data_parallel_size == 2
     assert not dp_llm.llm_engine.has_unfinished_requests()
+    # Each replica's process serves its engine for life: its startup heap is frozen out of
+    # the garbage collector's full passes (llmlab.utils.gc_heap).
+    assert all(r.info.gc_frozen > 1000 for r in dp_llm.llm_engine.replicas)
 
 
 def test_engine_core_process_runs_the_one_engine_in_its_own_process(tiny_llama, reference):

@@ -56,6 +56,7 @@ from llmlab.entrypoints.server.pooling import KEYED_PATHS as _POOLING_PATHS
 from llmlab.entrypoints.server.pooling import refuse_generation
 from llmlab.entrypoints.server.pooling import router as pooling_router
 from llmlab.entrypoints.server.serving import OpenAIServing
+from llmlab.utils.gc_heap import frozen_heap
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def build_app(
     chat_template: str | None = None,
     allowed_origins: Sequence[str] = (),
     shutdown_engine: bool = True,
+    freeze_gc: bool = False,
     trust_request_chat_template: bool = False,
     open_metrics: bool = False,
     open_docs: bool = False,
@@ -112,6 +114,9 @@ def build_app(
     ``Retry-After`` at once (:mod:`llmlab.entrypoints.server.admission`).
     ``allowed_origins``: CORS origins.
     ``shutdown_engine``: stop the engine's loop when the app shuts down.
+    ``freeze_gc``: while the app serves, keep the garbage collector's full passes off
+    everything alive when it started (:mod:`llmlab.utils.gc_heap`; ``llmlab serve``, whose
+    process serves one engine, turns it on).
     ``return_tokens_as_token_ids``: the default of the request field of that name (vLLM's
     ``--return-tokens-as-token-ids``): logprob tokens as ``"token_id:{id}"``.
     ``enable_tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (vLLM's flag of that
@@ -173,7 +178,8 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
-            yield
+            with frozen_heap(freeze_gc, collect=True):
+                yield
         finally:
             engine.engine.unsubscribe(metrics)
             serving.close()
