@@ -58,7 +58,7 @@ def main() -> None:
     model = args.model or str(ensure_builtin_model())
     settings = {"max_num_seqs": args.max_num_seqs, "seed": 0}
     engine = AsyncEngine.from_settings(model, **settings)
-    app = build_app(engine, served_model_names=["bench"])
+    app = build_app(engine, served_model_names=["bench"], freeze_gc=True)  # as `llmlab serve`
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
