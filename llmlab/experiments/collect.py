@@ -44,6 +44,7 @@ class RunCollector:
         self.num_finished = 0
         self.last_end_s: float | None = None  # the latest event's end, engine clock
         self._unfinished: Counter = Counter()  # per user: arrived, not finished
+        self._arrival_step: dict[str, int] = {}  # request -> the step that reported it
         self._backlogged: frozenset = frozenset()
 
     def add(self, request_id: str, request: WorkloadRequest) -> RequestRecord:
@@ -65,16 +66,23 @@ class RunCollector:
         self.trace.append(event, self._backlogged)
         self.last_end_s = event.end_time_s
         now = event.end_time_s - self.t0
+        step = self.trace.num_steps - 1  # this event's, counted as the trace counts
+        arrival_step = self._arrival_step
+        for arrival in event.arrived:
+            arrival_step.setdefault(arrival.request_id, step)
         records = self.records
-        for request_id, _ in event.sampled:
+        for request_id, num_tokens in event.sampled:
             record = records.get(request_id)
             if record is not None and record.first_token_s is None:
                 record.first_token_s = now
+            if record is not None and num_tokens and record.ttft_steps is None:
+                record.ttft_steps = step - arrival_step.get(request_id, step) + 1
         for request_id, reason in event.finished:
             record = records.get(request_id)
             if record is not None and record.finish_s is None:
                 record.finish_s = now
                 record.finish_reason = reason
+                record.e2e_steps = step - arrival_step.pop(request_id, step) + 1
                 self._unfinished[record.user] -= 1
                 self.num_finished += 1
 

@@ -457,6 +457,7 @@ def _requests_frame(label: str, records: list, repeat: int = 0):
             frame = part.to_pandas()
             frame["request_id"] = frame["request_id"].astype(str)
             frame["output_token_ids"] = None
+            frame = frame[[f.name for f in attrs.fields(RequestRecord)]]  # records' order
         elif part:
             frame = pd.DataFrame([attrs.asdict(r, recurse=False) for r in part])
         else:
@@ -465,8 +466,8 @@ def _requests_frame(label: str, records: list, repeat: int = 0):
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True).sort_values(
         "request_id", key=lambda ids: ids.astype(int), ignore_index=True)
-    for column in ("first_token_s", "finish_s"):
-        frame[column] = frame[column].astype(float)
+    for column in ("first_token_s", "finish_s", "ttft_steps", "e2e_steps"):
+        frame[column] = frame[column].astype(float)  # None (never reached): NaN
     frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]
     frame["e2e_s"] = frame["finish_s"] - frame["arrival_s"]
     frame.insert(0, "repeat", repeat)

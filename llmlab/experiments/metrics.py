@@ -46,7 +46,10 @@ from llmlab.observe.events import StepEvent
 
 @attrs.define
 class RequestRecord:
-    """What happened to one request in one run (times: seconds since the run's start)."""
+    """What happened to one request in one run (times: seconds since the run's start;
+    ``ttft_steps`` and ``e2e_steps``: engine steps from the one whose event reported its
+    arrival to the one that gave its first token, or ended it, both counted: the same on
+    every machine, they depend on the scheduling decisions alone)."""
 
     request_id: str
     user: str | None
@@ -60,9 +63,12 @@ class RequestRecord:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     output_token_ids: tuple[int, ...] = ()
+    ttft_steps: int | None = None
+    e2e_steps: int | None = None
 
 
-_FLOAT_FIELDS = ("arrival_s", "first_token_s", "finish_s")
+# Counts that may be missing (a request that never got a token) are kept as floats (NaN).
+_FLOAT_FIELDS = ("arrival_s", "first_token_s", "finish_s", "ttft_steps", "e2e_steps")
 _INT_FIELDS = ("priority", "num_prompt_tokens", "max_tokens", "num_output_tokens",
                "num_cached_tokens")
 

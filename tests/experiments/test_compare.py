@@ -123,6 +123,11 @@ def test_compare_metrics_are_sane(chat):
     assert (requests["finish_reason"] == "length").all()
     assert (requests["num_output_tokens"] == requests["max_tokens"]).all()
     assert (requests["first_token_s"] >= requests["arrival_s"]).all()
+    # Per request, the same step counts whose means the table gives.
+    means = requests.groupby("label")[["ttft_steps", "e2e_steps"]].mean()
+    assert means["ttft_steps"].to_dict() == pytest.approx(table["ttft_mean_steps"].to_dict())
+    assert means["e2e_steps"].to_dict() == pytest.approx(table["e2e_mean_steps"].to_dict())
+    assert (requests["e2e_steps"] >= requests["ttft_steps"] + 2).all()
     assert (requests["finish_s"] >= requests["first_token_s"]).all()
 
 

@@ -87,6 +87,8 @@ def test_a_router_comparison_runs_on_data_parallel_replicas(real, chats):
         assert list(rows["request_id"]) == [str(i) for i in range(chats.num_requests)]
         assert list(rows["num_output_tokens"]) == want
         assert (rows["finish_reason"] == "length").all()
+        # Each request's steps are its own replica's: their mean is the row's.
+        assert rows["ttft_steps"].mean() == pytest.approx(table.loc[label, "ttft_mean_steps"])
     spread = requests[requests["label"] == "round_robin"]["replica"]
     assert list(spread) == [i % 2 for i in range(chats.num_requests)]
     # Greedy decoding gives each request the same tokens whichever replica served it.
