@@ -114,6 +114,20 @@ def test_the_same_router_configurations_run_in_simulation(real, simulated, chats
     assert hit["prefix_aware"] > hit["round_robin"]
 
 
+def test_router_comparisons_repeat_with_a_spread_and_fresh_routers(tiny_llama, chats):
+    """repeats=2 on the simulator: every run's row kept, the spread columns beside the
+    means (0: a simulation is deterministic), and the router instance copied for each run
+    (the one given never routes anything)."""
+    router = CONFIGS["prefix_aware"]["router"]
+    result = compare(chats, CONFIGS, model=tiny_llama, engine_kwargs={
+        **ENGINE, "cost_model": Fixed()}, progress=False, executor="sim", repeats=2)
+    assert list(result.runs["label"]) == ["round_robin", "prefix_aware"] * 2
+    assert (result.table["ttft_mean_s_std"] == 0).all()
+    assert (result.table["num_requests"] == chats.num_requests).all()
+    assert result.table["router"].to_dict() == {label: label for label in CONFIGS}
+    assert router is CONFIGS["prefix_aware"]["router"] and not router._sent
+
+
 def test_a_simulated_router_rows_merge_the_replicas_traces(tiny_llama, chats):
     import pandas as pd
 
