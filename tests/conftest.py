@@ -22,6 +22,9 @@ ARCHITECTURES = [
     "Qwen3ForCausalLM",
     "GPT2LMHeadModel",
     "OPTForCausalLM",
+    # Mixture of experts (issue 43): the dense models' engine-level checks hold for them.
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 ]
 
 

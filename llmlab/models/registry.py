@@ -18,6 +18,7 @@ from llmlab.models.llama import (
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
 )
+from llmlab.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from llmlab.models.opt import OPTForCausalLM
 
 # The "model" kind of the one component registry (llmlab.registry): architecture -> class.
@@ -29,6 +30,8 @@ MODEL_REGISTRY.update({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # Pooling models (runner="pooling"): a classifier head instead of the LM head.
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": MistralForSequenceClassification,

@@ -268,10 +268,11 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
         )
     decode_graphs = None
     # CUDA graphs capture one device's kernels; a decode step of a tensor-parallel group
-    # runs collectives between them, so those run eagerly.
+    # runs collectives between them, so those run eagerly, as does a model whose kernels
+    # depend on its data (``cuda_graphs = False``: mixture-of-experts routing).
     if (
         device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention)
-        and (tp is None or not tp.is_parallel)
+        and (tp is None or not tp.is_parallel) and getattr(model, "cuda_graphs", True)
     ):
         decode_graphs = DecodeGraphs(
             model=model,

@@ -87,6 +87,18 @@ _TINY_DEFAULTS: dict[str, dict] = {
         "do_layer_norm_before": False,
         "tie_word_embeddings": True,
     },
+    # Mixture of experts: 4 experts, 2 per token, a window as Mixtral v0.1 has.
+    "MixtralForCausalLM": dict(
+        _SHARED_LLAMA_STYLE, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3's attention; experts narrower than the dense MLP the second layer keeps
+    # (mlp_only_layers); the picked probabilities not renormalised (norm_topk_prob).
+    "Qwen3MoeForCausalLM": dict(
+        _SHARED_LLAMA_STYLE, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
 }
 
 TINY_ARCHITECTURES = tuple(_TINY_DEFAULTS)
@@ -108,6 +120,8 @@ _CONFIG_CLASSES = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "GPT2LMHeadModel": "GPT2Config",
     "OPTForCausalLM": "OPTConfig",
+    "MixtralForCausalLM": "MixtralConfig",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "LlamaForSequenceClassification": "LlamaConfig",
     "MistralForSequenceClassification": "MistralConfig",
     "Qwen2ForSequenceClassification": "Qwen2Config",

@@ -46,6 +46,14 @@ TINY_VARIANTS = [
         },
     ),
     ("opt", "OPTForCausalLM", {}),
+    ("mixtral", "MixtralForCausalLM", {}),
+    ("qwen3-moe", "Qwen3MoeForCausalLM", {}),
+    (
+        "qwen3-moe-normalized-every-other",
+        "Qwen3MoeForCausalLM",
+        {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 2,
+         "num_experts_per_tok": 3},
+    ),
     (
         "opt-prenorm-nobias",
         "OPTForCausalLM",
