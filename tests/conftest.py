@@ -25,6 +25,7 @@ ARCHITECTURES = [
     # Mixture of experts (issue 43): the dense models' engine-level checks hold for them.
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 ]
 
 

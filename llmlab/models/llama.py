@@ -38,6 +38,9 @@ class LlamaFamilySpec:
 
     Attributes:
         layer_windows: sliding-window size per layer (None: full causal attention).
+        qk_norm_full: q and k are normalised over all their heads at once (OLMoE), not
+            per head (Qwen3's ``qk_norm``).
+        clip_qkv: q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` (OLMoE's option).
     """
 
     vocab_size: int
@@ -56,6 +59,8 @@ class LlamaFamilySpec:
     tie_word_embeddings: bool
     layer_windows: tuple[int | None, ...]
     rope: RopeSpec
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -129,9 +134,20 @@ class LlamaAttention(nn.Module):
         self.sliding_window = spec.layer_windows[layer_idx]
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.split_sizes), bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
-        # Qwen3 normalises each head of q and k before rotating them.
+        # Qwen3 normalises each head of q and k before rotating them; OLMoE all of q and
+        # all of k at once (so one rank would need every head: no tensor parallelism).
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.full_norm = spec.qk_norm_full
+        if spec.qk_norm_full:
+            if tp.is_parallel:
+                raise ValueError(
+                    "this model normalises q and k across all heads (OLMoE): it runs with "
+                    "tensor_parallel_size=1 only"
+                )
+            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv
 
     def forward(
         self,
@@ -143,10 +159,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        if self.full_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            clip = self.clip_qkv
+            q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
         if fuse:  # in place, in the projection's output

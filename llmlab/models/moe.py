@@ -1,12 +1,12 @@
-"""Mixture-of-experts members of the Llama family: Mixtral and Qwen3-MoE.
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen3-MoE and OLMoE.
 
 The attention is the family's. In the layers the config names, the gated MLP gives way to
 a sparse block: a router (a bias-free linear, one logit per expert) scores each token, the
 softmax of those logits (in float32) picks the token's ``top_k`` experts, and the token's
 output is their gated MLPs weighted by the picked probabilities, renormalised over the
-``top_k`` where the checkpoint says so (Mixtral always, Qwen3-MoE with
-``norm_topk_prob``): as transformers computes it, Mixtral weighting in float32 and
-Qwen3-MoE in the activations' dtype.
+``top_k`` where the checkpoint says so (Mixtral always, Qwen3-MoE and OLMoE with
+``norm_topk_prob``): as transformers computes it, Mixtral weighting in float32, the others
+in the activations' dtype.
 
 Each expert is a :class:`~llmlab.models.llama.GatedMLP` (gate and up fused at load time,
 split like the dense MLP under tensor parallelism, the experts' sum reduced once). A step
@@ -220,4 +220,26 @@ class Qwen3MoeForCausalLM(_MoEMixin, Qwen3ForCausalLM):
                 i not in dense and num_experts > 0 and (i + 1) % step == 0
                 for i in range(num_layers)
             ),
+        )
+
+
+class OlmoeForCausalLM(_MoEMixin, LlamaForCausalLM):
+    """OLMoE (Muennighoff et al., 2024): every layer sparse; q and k each normalised over
+    all heads at once, q, k and v optionally clamped (``clip_qkv``), the picked
+    probabilities renormalised when ``norm_topk_prob``."""
+
+    @classmethod
+    def spec_from_config(cls, hf_config: object) -> LlamaFamilySpec:
+        return _base_spec(hf_config, qk_norm_full=True,
+                          clip_qkv=config_value(hf_config, "clip_qkv", default=None))
+
+    @classmethod
+    def moe_from_config(cls, hf_config: object) -> MoESpec:
+        return MoESpec(
+            num_experts=hf_config.num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.intermediate_size,
+            normalize=bool(config_value(hf_config, "norm_topk_prob", default=False)),
+            float32_weights=False,
+            sparse_layers=(True,) * hf_config.num_hidden_layers,
         )

@@ -18,7 +18,7 @@ from llmlab.models.llama import (
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
 )
-from llmlab.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from llmlab.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from llmlab.models.opt import OPTForCausalLM
 
 # The "model" kind of the one component registry (llmlab.registry): architecture -> class.
@@ -32,6 +32,7 @@ MODEL_REGISTRY.update({
     "OPTForCausalLM": OPTForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     # Pooling models (runner="pooling"): a classifier head instead of the LM head.
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": MistralForSequenceClassification,

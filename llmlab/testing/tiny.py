@@ -99,6 +99,11 @@ _TINY_DEFAULTS: dict[str, dict] = {
         moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
         tie_word_embeddings=False,
     ),
+    # q/k normalised across all heads, q/k/v clamped, renormalised picks.
+    "OlmoeForCausalLM": dict(
+        _SHARED_LLAMA_STYLE, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ),
 }
 
 TINY_ARCHITECTURES = tuple(_TINY_DEFAULTS)
@@ -122,6 +127,7 @@ _CONFIG_CLASSES = {
     "OPTForCausalLM": "OPTConfig",
     "MixtralForCausalLM": "MixtralConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "OlmoeForCausalLM": "OlmoeConfig",
     "LlamaForSequenceClassification": "LlamaConfig",
     "MistralForSequenceClassification": "MistralConfig",
     "Qwen2ForSequenceClassification": "Qwen2Config",

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE) in the engine: what the architecture
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) in the engine: what the architecture
 parity tests (tests/engine/test_hf_parity.py, tests/models/test_hf_parity.py, which run
 them with the dense models) do not cover: prefix-cache hits and parallel samples, routing
 that really spreads tokens, the layers a config keeps dense, refused configs."""
@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from llmlab import LLM, SamplingParams
-from llmlab.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
+from llmlab.models.moe import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen3MoeForCausalLM,
+    SparseMoeBlock,
+)
 from llmlab.testing import build_tiny_model
 from tests.engine.test_hf_parity import NUM_NEW_TOKENS, hf_greedy
 
-MOE = ["MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+MOE = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"]
 
 
 @pytest.fixture(scope="module")
@@ -83,4 +88,5 @@ def test_a_config_picking_more_experts_than_it_has_is_refused(tmp_path):
 
 def test_moe_models_decode_eagerly_on_cuda():
     """A captured CUDA graph would replay one step's routing: MoE models opt out."""
-    assert MixtralForCausalLM.cuda_graphs is False and Qwen3MoeForCausalLM.cuda_graphs is False
+    assert not any(m.cuda_graphs for m in (MixtralForCausalLM, Qwen3MoeForCausalLM,
+                                           OlmoeForCausalLM))

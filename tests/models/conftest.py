@@ -48,6 +48,7 @@ TINY_VARIANTS = [
     ("opt", "OPTForCausalLM", {}),
     ("mixtral", "MixtralForCausalLM", {}),
     ("qwen3-moe", "Qwen3MoeForCausalLM", {}),
+    ("olmoe", "OlmoeForCausalLM", {}),
     (
         "qwen3-moe-normalized-every-other",
         "Qwen3MoeForCausalLM",
