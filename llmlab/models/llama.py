@@ -310,15 +310,17 @@ class LlamaForCausalLM(PagedCausalLMBase):
         layer, module, leaf = match.groups()
         return self._layer_target(layer, module, leaf) or WeightTarget(name)
 
-    def _layer_target(self, layer: str, module: str, leaf: str) -> WeightTarget | None:
+    def _layer_target(self, layer: str, module: str, leaf: str,
+                      intermediate_size: int | None = None) -> WeightTarget | None:
         """Where a projection's checkpoint tensor goes in our fused parameters, and which
-        slice of it this rank reads (None: a tensor kept whole, as named)."""
+        slice of it this rank reads (None: a tensor kept whole, as named).
+        ``intermediate_size``: the MLP's inner width, if not the spec's (an expert's)."""
         tp, spec = self.tp, self.spec
         hd = spec.head_dim
         q_rows = spec.num_heads // tp.size * hd
         first_kv, num_kv = tp.kv_heads(spec.num_kv_heads, spec.num_heads)
         kv_rows = num_kv * hd
-        inner = spec.intermediate_size // tp.size
+        inner = (intermediate_size or spec.intermediate_size) // tp.size
         # Column-parallel: rows of the checkpoint tensor, into a slice of the fused param.
         column = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, tp.rank * q_rows, q_rows),

@@ -141,36 +141,29 @@ class _MoEMixin:
         sizes["inner"] = self.moe.intermediate_size // self.tp.size
         return sizes
 
-    def _layer_target(self, layer: str, module: str, leaf: str) -> WeightTarget | None:
+    def _layer_target(self, layer: str, module: str, leaf: str,
+                      intermediate_size: int | None = None) -> WeightTarget | None:
         prefix = f"{self._BLOCK}."
         if module.startswith(prefix):
             inner = module[len(prefix):]
             expert = _EXPERT.match(inner)
             if expert is not None:
                 index, projection = expert.groups()
-                names = dict(zip(self._PROJECTIONS, ("mlp.gate_proj", "mlp.up_proj",
-                                                     "mlp.down_proj"), strict=True))
+                names = dict(zip(self._PROJECTIONS, ("gate_proj", "up_proj", "down_proj"),
+                                 strict=True))
                 if projection not in names:
                     return None
-                # An expert is a GatedMLP of the expert width: the dense mapping, renamed.
-                target = self._expert_target(layer, names[projection], leaf)
+                # An expert is a GatedMLP of the expert width: the dense MLP's mapping,
+                # under the expert's name.
+                dense = f"mlp.{names[projection]}"
+                target = super()._layer_target(
+                    layer, dense, leaf, self.moe.intermediate_size,
+                ) or WeightTarget(f"{layer}{dense}.{leaf}")
                 param = target.param.replace(f"{layer}mlp.", f"{layer}mlp.experts.{index}.", 1)
                 return attrs.evolve(target, param=param)
             if inner == "gate":
                 return WeightTarget(f"{layer}mlp.gate.{leaf}")
-        return super()._layer_target(layer, module, leaf)
-
-    def _expert_target(self, layer: str, module: str, leaf: str) -> WeightTarget:
-        """The dense MLP's target for an expert's projection, at the expert width."""
-        tp = self.tp
-        inner = self.moe.intermediate_size // tp.size
-        if module == "mlp.down_proj":
-            if not tp.is_parallel:
-                return WeightTarget(f"{layer}{module}.{leaf}")
-            return WeightTarget(f"{layer}{module}.{leaf}", shard=(1, tp.rank * inner, inner))
-        offset = 0 if module == "mlp.gate_proj" else inner
-        return WeightTarget(f"{layer}mlp.gate_up_proj.{leaf}", row_offset=offset,
-                            shard=tp.shard(0, tp.rank * inner, inner))
+        return super()._layer_target(layer, module, leaf, intermediate_size)
 
 
 class MixtralForCausalLM(_MoEMixin, LlamaForCausalLM):

@@ -148,6 +148,16 @@ def rank_threads(cfg: EngineConfig) -> int | None:
     return max(1, available_cpus() // cfg.tensor_parallel_size)
 
 
+def captures_decode(device: torch.device, enforce_eager: bool, attention: Any, tp: Any,
+                    model: Any) -> bool:
+    """Whether decode steps replay CUDA graphs. A graph captures one device's kernels: a
+    decode step of a tensor-parallel group runs collectives between them, so it runs
+    eagerly, as does a model whose kernels depend on its data (``cuda_graphs = False``:
+    mixture-of-experts routing, read on the host each step)."""
+    return (device.type == "cuda" and not enforce_eager and DecodeGraphs.applies_to(attention)
+            and (tp is None or not tp.is_parallel) and getattr(model, "cuda_graphs", True))
+
+
 def build_rank(plan: BuildPlan, tp=None) -> RankParts:
     """Load this rank's model (its shard, under tensor parallelism), size and allocate its
     KV cache (the smallest of every rank's, so one scheduler serves all), and build its
@@ -267,13 +277,7 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             cfg.max_num_seqs,
         )
     decode_graphs = None
-    # CUDA graphs capture one device's kernels; a decode step of a tensor-parallel group
-    # runs collectives between them, so those run eagerly, as does a model whose kernels
-    # depend on its data (``cuda_graphs = False``: mixture-of-experts routing).
-    if (
-        device.type == "cuda" and not cfg.enforce_eager and DecodeGraphs.applies_to(attention)
-        and (tp is None or not tp.is_parallel) and getattr(model, "cuda_graphs", True)
-    ):
+    if captures_decode(device, cfg.enforce_eager, attention, tp, model):
         decode_graphs = DecodeGraphs(
             model=model,
             backend=attention,

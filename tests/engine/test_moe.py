@@ -9,12 +9,7 @@ import pytest
 import torch
 
 from llmlab import LLM, SamplingParams
-from llmlab.models.moe import (
-    MixtralForCausalLM,
-    OlmoeForCausalLM,
-    Qwen3MoeForCausalLM,
-    SparseMoeBlock,
-)
+from llmlab.models.moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from llmlab.testing import build_tiny_model
 from tests.engine.test_hf_parity import NUM_NEW_TOKENS, hf_greedy
 
@@ -86,7 +81,17 @@ def test_a_config_picking_more_experts_than_it_has_is_refused(tmp_path):
         LLM(str(path), dtype="float32")
 
 
-def test_moe_models_decode_eagerly_on_cuda():
-    """A captured CUDA graph would replay one step's routing: MoE models opt out."""
-    assert not any(m.cuda_graphs for m in (MixtralForCausalLM, Qwen3MoeForCausalLM,
-                                           OlmoeForCausalLM))
+def test_moe_models_decode_eagerly_on_cuda(tiny_model_factory):
+    """A captured CUDA graph would replay one step's routing: the build decides to capture
+    decode for a dense model on CUDA and not for an MoE one (decided without a GPU)."""
+    from llmlab.runner.build import captures_decode
+
+    class GraphableBackend:
+        def decode_graph_metadata(self, *args):
+            pass
+
+    cuda, backend = torch.device("cuda"), GraphableBackend()
+    for arch, captures in (("LlamaForCausalLM", True), *((arch, False) for arch in MOE)):
+        model = LLM(tiny_model_factory(arch), dtype="float32").llm_engine.executor.model
+        assert captures_decode(cuda, False, backend, None, model) is captures, arch
+        assert not captures_decode(torch.device("cpu"), False, backend, None, model)

@@ -261,6 +261,12 @@ def test_the_profiled_fit_recovers_a_known_linear_cost(tiny_llama):
         assert got.residual_s < 1e-9
 
 
+# A cost whose first step after an idle gap costs 5 ms more.
+WAKE_FEATURES = ("num_requests", "num_prefill_tokens", "after_idle")
+WAKE_COST = ProfiledCostModel(WAKE_FEATURES, decode=Linear((1e-4, 0.0, 0.0), 1e-3),
+                              prefill=Linear((5e-5, 3e-5, 5e-3), 2e-3))
+
+
 def bursty(model: str, gap_s: float = 0.5) -> Workload:
     return bursts(3, 3, vocab_size=vocab_size(model), gap_s=gap_s, prompt_len=(4, 10),
                   output_len=(2, 5), seed=1, low=2)
@@ -296,9 +302,7 @@ def test_the_first_step_after_an_idle_gap_is_flagged_alike_in_real_and_simulated
 def test_the_profiled_fit_recovers_a_wake_up_cost(tiny_llama):
     """A simulated run whose first step after each idle gap costs 5 ms more: the fit on
     its events gives the 5 ms back as the ``after_idle`` coefficient."""
-    features = ("num_requests", "num_prefill_tokens", "after_idle")
-    truth = ProfiledCostModel(features, decode=Linear((1e-4, 0.0, 0.0), 1e-3),
-                              prefill=Linear((5e-5, 3e-5, 5e-3), 2e-3))
+    features, truth = WAKE_FEATURES, WAKE_COST
     engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
     # Poisson arrivals among the bursts: prefill steps that did not wake the engine too.
     poisson = mixed_long_short(30, vocab_size=vocab_size(tiny_llama), long_prompt_len=(30, 60),
@@ -316,9 +320,7 @@ def test_the_profiled_fit_recovers_a_wake_up_cost(tiny_llama):
 def test_a_feature_seen_on_too_few_steps_is_left_out_of_the_fit(tiny_llama):
     """One wake-up (the run's first step) cannot price every later one: its coefficient
     would be that one step's noise. The fit leaves such a feature out."""
-    features = ("num_requests", "num_prefill_tokens", "after_idle")
-    truth = ProfiledCostModel(features, decode=Linear((1e-4, 0.0, 0.0), 1e-3),
-                              prefill=Linear((5e-5, 3e-5, 5e-3), 2e-3))
+    features, truth = WAKE_FEATURES, WAKE_COST
     engine = sim_engine(tiny_llama, cost_model=truth, **ENGINE)
     busy = mixed_long_short(30, vocab_size=vocab_size(tiny_llama), long_prompt_len=(30, 60),
                             short_prompt_len=(4, 12), long_output_len=(4, 20),
