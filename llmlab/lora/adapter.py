@@ -186,6 +186,12 @@ def _read_config(request: LoRARequest, data: bytes) -> dict:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{_where(request)}: peft_type={peft_type!r}; only 'LORA' is supported")
+    if config.get("target_parameters"):  # PEFT's LoRA on parameters: MoE experts' weights
+        raise ValueError(
+            f"{_where(request)}: target_parameters={config['target_parameters']!r}: LoRA on "
+            "parameters (a mixture-of-experts model's experts) is not supported; llmlab "
+            "applies adapters to the attention and dense MLP projections (target_modules)"
+        )
     refused = {
         "use_dora": "DoRA is not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D layers) is not supported",
@@ -267,6 +273,12 @@ def _place(request, tensors, targets: LoRATargets, rank, scale, dtype, base_norm
         module, kind = _peft_module(key)
         if not kind or module not in targets.by_peft_name:
             leaf = module.rsplit(".", 1)[-1]
+            if kind and (".experts." in module or module.endswith(".experts")):
+                raise ValueError(
+                    f"{_where(request)}: tensor {key!r} adapts a mixture-of-experts "
+                    f"expert ({module!r}); llmlab applies LoRA to the attention and dense "
+                    "MLPs of MoE models, not to experts (target_modules)"
+                )
             if kind and leaf in SUPPORTED_TARGETS:
                 raise ValueError(
                     f"{_where(request)}: tensor {key!r} names {module!r}, which the served "

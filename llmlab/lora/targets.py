@@ -50,9 +50,10 @@ class LoRATargets:
 
     @classmethod
     def of(cls, model: nn.Module) -> LoRATargets:
-        """The targets of a Llama-family model (Llama, Mistral, Qwen2, Qwen3). Raises
-        ``ValueError`` for any other architecture (``enable_lora`` cannot serve it) or a
-        tensor-parallel shard."""
+        """The targets of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, and the
+        attention and dense MLPs of its mixture-of-experts members: an expert carries no
+        adapter). Raises ``ValueError`` for any other architecture (``enable_lora`` cannot
+        serve it) or a tensor-parallel shard."""
         from llmlab.models.llama import LlamaForCausalLM
 
         if not isinstance(model, LlamaForCausalLM):
@@ -65,12 +66,16 @@ class LoRATargets:
             raise ValueError("enable_lora=True does not support tensor_parallel_size > 1")
         q, kv, inner = spec.q_size, spec.kv_size, spec.intermediate_size
         targets = []
-        for i in range(spec.num_layers):
+        for i, layer in enumerate(model.layers):
             pre = f"layers.{i}."
             targets += [
                 LoRATarget(f"{pre}self_attn.qkv_proj", spec.hidden_size, (
                     ("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))),
                 LoRATarget(f"{pre}self_attn.o_proj", q, (("o_proj", 0, spec.hidden_size),)),
+            ]
+            if hasattr(layer.mlp, "experts"):  # a sparse MoE layer: no adapter on experts
+                continue
+            targets += [
                 LoRATarget(f"{pre}mlp.gate_up_proj", spec.hidden_size, (
                     ("gate_proj", 0, inner), ("up_proj", inner, inner))),
                 LoRATarget(f"{pre}mlp.down_proj", inner, (("down_proj", 0, spec.hidden_size),)),

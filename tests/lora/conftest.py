@@ -17,19 +17,20 @@ def build_adapter(
     *,
     r: int = 8,
     lora_alpha: float = 16,
-    targets: tuple[str, ...] = ALL_TARGETS,
+    targets: tuple[str, ...] | str = ALL_TARGETS,
     seed: int = 0,
     use_rslora: bool = False,
     std: float = 0.1,
 ) -> str:
     """Save a PEFT adapter of ``base_path`` with random, non-zero A and B (PEFT starts B at
-    zero, which would change nothing)."""
+    zero, which would change nothing). ``targets``: module names, or one regex (PEFT's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     config = LoraConfig(
-        r=r, lora_alpha=lora_alpha, target_modules=list(targets), lora_dropout=0.0,
+        r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
+        target_modules=targets if isinstance(targets, str) else list(targets),
         use_rslora=use_rslora, init_lora_weights=False,
     )
     peft_model = get_peft_model(model, config)
