@@ -60,6 +60,9 @@ def _single_device(field: str, value: object) -> int:
 
 # Weight-only schemes applied at load time (llmlab/quantization/); vLLM's names.
 QUANTIZATION_METHODS = ("int8", "fp8")
+# vLLM's names of checkpoint formats: accepted for a checkpoint saved in that format (its
+# config.json's quant_method), which then loads as it is (the Marlin ones: vLLM's kernels).
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors", "gptq_marlin", "awq_marlin")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_OFFLOADING_BACKENDS = ("cpu", "disk")
 # vLLM's load_format values llmlab reads (llmlab/models/loader.py); gguf, bitsandbytes,
@@ -221,6 +224,12 @@ class EngineConfig:
             tensor parallelism: ``docs/distributed.md``), one worker process per rank; the
             attention heads (and the KV heads, or the ranks sharing a KV head) must divide
             evenly. Checked against the model and the devices at build time.
+        enable_expert_parallel: (vLLM's flag) in a mixture-of-experts model's sparse layers,
+            place whole experts on the tensor-parallel ranks (rank r of N holds experts
+            ``r*E//N .. (r+1)*E//N - 1``) instead of splitting every expert's inner width
+            over them; the attention stays split. Each rank runs its experts on the tokens
+            routed to them and the ranks' sums are reduced as before. Needs an MoE model
+            and at least as many experts as ranks; nothing changes at one rank.
         data_parallel_size: run this many whole engine replicas (each of
             ``tensor_parallel_size`` ranks) in processes of their own, behind a router
             that picks one per request.
@@ -267,8 +276,12 @@ class EngineConfig:
             ``None`` (weights run in ``dtype``), ``"int8"`` (per-output-channel symmetric
             int8 weights, activations in the model dtype; CPU and CUDA) or ``"fp8"``
             (float8 e4m3 weights with per-channel scales; CUDA only). A checkpoint saved
-            in the same scheme loads as it is. An unsupported device is refused before
-            any weight loads.
+            in the same scheme loads as it is. ``"gptq"``, ``"awq"``,
+            ``"compressed-tensors"`` (and vLLM's ``"gptq_marlin"`` / ``"awq_marlin"``)
+            name a checkpoint's own format (4-bit ones run as W4A16,
+            ``docs/quantization.md``); one that does not match the checkpoint's
+            ``quant_method`` is refused. An unsupported device is refused before any
+            weight loads.
 
         preemption_mode: how a preempted request gives its KV blocks back (vLLM's):
             ``None`` or ``"recompute"`` (the blocks are freed, the tokens recomputed on
@@ -309,6 +322,12 @@ class EngineConfig:
             ``compress_every`` decode steps) to the tokens the press keeps. None: off.
         kv_press_config: keyword arguments for the press (``compression_ratio``,
             ``compress_every`` and its own fields, e.g. ``{"window": 64}``).
+
+        record_expert_load: for a mixture-of-experts model, count each step's tokens per
+            expert and sparse layer into ``StepEvent.expert_load`` (and recordings;
+            :mod:`llmlab.models.expert_load`). Steps then run eagerly (no CUDA graph
+            replay) and read the counts back once each. Off (default): no counting at all.
+            A model without experts is refused.
 
     Accepted for vLLM compatibility, with nothing to change in llmlab:
         trust_remote_code: llmlab never runs code from a checkpoint; it supports its
@@ -457,7 +476,10 @@ class EngineConfig:
     plugin_config: dict | None = attrs.field(default=None, converter=_plugin_config)
     kv_press: str | None = attrs.field(default=None, converter=_name("kv_press"))
     kv_press_config: dict | None = attrs.field(default=None, converter=_settings("kv_press"))
+    record_expert_load: bool = attrs.field(default=False, converter=_flag("record_expert_load"))
     tensor_parallel_size: int = attrs.field(default=1, converter=_positive("tensor_parallel_size"))
+    enable_expert_parallel: bool = attrs.field(
+        default=False, converter=_flag("enable_expert_parallel"))
     data_parallel_size: int = attrs.field(default=1, converter=_positive("data_parallel_size"))
     engine_core_process: bool = attrs.field(default=False, converter=_flag("engine_core_process"))
     distributed_executor_backend: str | None = attrs.field(
@@ -484,7 +506,7 @@ class EngineConfig:
     quantization: str | None = attrs.field(
         default=None,
         converter=lambda v: None if v is None else as_choice(
-            "quantization", v, QUANTIZATION_METHODS
+            "quantization", v, QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION
         ),
     )
     kv_cache_dtype: str = attrs.field(

@@ -94,7 +94,7 @@ BAD = [
     ("pipeline_parallel_size", None, TypeError, "None"),
     ("tokenizer_mode", "mistral", ValueError, "'mistral'"),
     ("tokenizer_mode", None, TypeError, "None"),
-    ("quantization", "awq", ValueError, "'awq'"),
+    ("quantization", "bitsandbytes", ValueError, "'bitsandbytes'"),
     ("quantization", 4, TypeError, "4"),
     ("kv_cache_dtype", "fp8", ValueError, "'fp8'"),
     ("kv_cache_dtype", None, TypeError, "None"),
@@ -179,7 +179,8 @@ def test_vllm_keyword_defaults_match_vllm():
             ("distributed_executor_backend='uni' runs one process, but "
              "tensor_parallel_size=2; use 'mp' or 'ray'"),
         ),
-        (dict(quantization="awq"), "quantization must be one of 'int8', 'fp8', got 'awq'"),
+        (dict(quantization="bnb"), "quantization must be one of 'int8', 'fp8', 'gptq', 'awq', "
+         "'compressed-tensors', 'gptq_marlin', 'awq_marlin', got 'bnb'"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (only 'auto')"),
         (
             dict(tokenizer_mode="mistral"),

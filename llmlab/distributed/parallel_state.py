@@ -49,11 +49,14 @@ class TensorParallel:
         size: ranks in the group (1: no parallelism; the collectives do nothing).
         group: the ``torch.distributed`` process group of the ranks (None when size is 1,
             or for a group that only describes shapes, as the build-time checks use).
+        expert_parallel: a mixture-of-experts layer places whole experts on the ranks
+            (:meth:`expert_range`) instead of splitting each one (``enable_expert_parallel``).
     """
 
     rank: int = 0
     size: int = 1
     group: Any = attrs.field(default=None, eq=False, repr=False)
+    expert_parallel: bool = False
     stats: CommStats = attrs.field(factory=CommStats, eq=False, repr=False)
 
     @classmethod
@@ -104,6 +107,21 @@ class TensorParallel:
         per_rank = -(-vocab_size // self.size)
         start = min(self.rank * per_rank, vocab_size)
         return start, min(start + per_rank, vocab_size)
+
+    def expert_range(self, num_experts: int) -> range:
+        """The experts this rank holds whole under expert parallelism: a contiguous run,
+        ``num_experts // size`` each and one more on the first ``num_experts % size`` ranks
+        (every rank needs at least one)."""
+        if num_experts < self.size:
+            raise ValueError(
+                f"enable_expert_parallel=True places whole experts on tensor_parallel_size="
+                f"{self.size} ranks, but the model has {num_experts} experts per layer; "
+                f"use at most {num_experts} ranks, or enable_expert_parallel=False to split "
+                "each expert"
+            )
+        base, extra = divmod(num_experts, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
 
     def shard(self, dim: int, start: int, length: int) -> tuple[int, int, int] | None:
         """A checkpoint slice for a :class:`~llmlab.models.weights.WeightTarget` (None, the

@@ -28,6 +28,7 @@ from llmlab.kernels.cpu_linear import auto_packed_dtypes, onednn_unavailable_rea
 from llmlab.kvpress.schedule import PressSchedule
 from llmlab.lora.attach import check_lora_settings
 from llmlab.lora.schedule import LoRASchedule
+from llmlab.models.expert_load import expert_load_plugins
 from llmlab.models.loader import max_model_len_from_config, resolve_dtype, resolve_model_path
 from llmlab.models.registry import get_model_class
 from llmlab.plugin import RunnerPlugin, SchedulerPlugin
@@ -102,6 +103,7 @@ def assemble(
     extra = [plugin_of(p, named.get(p) if isinstance(p, str) else None)
              for p in (*cfg.plugins, *plugins)]
     plan = plan_engine(cfg, attention_backend, sampler, kv_press, proposer, speculation_length)
+    extra.extend(expert_load_plugins(plan.config, plan.hf_config))  # record_expert_load
     plan = attrs.evolve(plan, plugins=tuple(p for p in extra if isinstance(p, RunnerPlugin)))
     rank_plan = _bind_speculation(plan, proposer, speculation_length)
     workers = None
@@ -222,6 +224,14 @@ def plan_engine(cfg: EngineConfig, attention_backend: Any = None, sampler: Any =
         cfg, pooling=pooling is not None,
         model_class=get_model_class(getattr(hf_config, "architectures", None)),
     )
+    if cfg.enable_expert_parallel and not hasattr(
+        get_model_class(getattr(hf_config, "architectures", None)), "moe_from_config"
+    ):
+        raise ValueError(
+            f"enable_expert_parallel=True places a mixture-of-experts model's experts on "
+            f"the ranks; {model_path / 'config.json'} names a dense model "
+            f"({getattr(hf_config, 'architectures', None)}); use False"
+        )
     max_model_len = _max_model_len(cfg, hf_config)
     cfg = resolve_step_settings(cfg, device.type, max_model_len)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)

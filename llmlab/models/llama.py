@@ -308,7 +308,9 @@ class LlamaForCausalLM(PagedCausalLMBase):
         if match is None:
             return WeightTarget(name)
         layer, module, leaf = match.groups()
-        return self._layer_target(layer, module, leaf) or WeightTarget(name)
+        target = self._layer_target(layer, module, leaf)
+        # None: the tensor keeps its name; []: another rank's (an expert it does not hold).
+        return WeightTarget(name) if target is None else target
 
     def _layer_target(self, layer: str, module: str, leaf: str,
                       intermediate_size: int | None = None) -> WeightTarget | None:

@@ -214,6 +214,28 @@ def iterate_weights(
         del state
 
 
+def checkpoint_names(
+    path: str | os.PathLike, load_format: str = "auto"
+) -> tuple[str, set[str]] | None:
+    """``(where, names)``: the tensor names of a safetensors checkpoint, read from its shard
+    index or its files' headers (no tensor is read), and the file(s) they come from; None
+    for ``.bin`` checkpoints (their names are only known by reading them)."""
+    folder = pathlib.Path(path)
+    kind, files = _weight_files(folder, load_format)
+    if kind != "safetensors":
+        return None
+    index = folder / _KIND_FILES["safetensors"][0]
+    if index.is_file():
+        return str(index), set(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.update(handle.keys())
+    return ", ".join(map(str, files)), names
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -253,9 +275,17 @@ def load_model(
     dtype = resolve_dtype(dtype, hf_config, device)
     parallel = tp is not None and tp.is_parallel
     with torch.device("meta"), _default_dtype(dtype):
-        model = build_model_class(cls, hf_config, tp)
+        try:
+            model = build_model_class(cls, hf_config, tp)
+        except ValueError as err:  # a config field the model cannot take: say which file
+            raise ValueError(f"{pathlib.Path(model_path) / 'config.json'}: {err}") from err
         if prepare is not None:
             prepare(model)
+    check = getattr(model, "check_checkpoint", None)
+    if check is not None and load_format != "dummy":
+        listed = checkpoint_names(model_path, load_format)
+        if listed is not None:  # before any weight is read
+            check(*listed)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         fill_dummy_weights(model)

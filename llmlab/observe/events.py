@@ -15,6 +15,8 @@ import attrs
 
 from llmlab.cache.kv_cache_manager import BlockEvents, CacheSnapshot, KVCacheManager
 from llmlab.errors import component_name
+from llmlab.models.expert_load import NAME as EXPERT_LOAD
+from llmlab.models.expert_load import ExpertLoad
 from llmlab.scheduler.batch import Admission, ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -174,6 +176,11 @@ class StepEvent:
         kv_dropped: for each scheduled request (same order as ``scheduled``), the
             positions its KV cache no longer holds after the step (a KV press dropped
             them; 0 for every request without one).
+        expert_load: with ``record_expert_load`` on (a mixture-of-experts model), how many
+            of the step's tokens each expert received in each sparse layer
+            (:class:`~llmlab.models.expert_load.ExpertLoad`: the layer indices, a
+            ``[layers, experts]`` count matrix whose rows sum to ``top_k`` times the tokens
+            the forward ran); None when it is off or the step ran no batch.
     """
 
     step_index: int
@@ -217,6 +224,7 @@ class StepEvent:
     num_offload_blocks: int = 0
     kv_compacted: tuple[Any, ...] = ()
     kv_dropped: tuple[int, ...] = ()
+    expert_load: ExpertLoad | None = None
 
 
 StepObserver = Callable[[StepEvent], None]
@@ -262,7 +270,7 @@ def step_event(
     """The event of one step, after its commit. ``requests``: the batch's requests by id
     (read for users, priorities and computed tokens); ``finished``: the requests that ended;
     ``reports``: what each plugged-in feature reported, by name (a KV press's compactions
-    under ``kv_press``)."""
+    under ``kv_press``, the expert load under ``expert_load``)."""
     compacted = None if reports is None else reports.get("kv_press")
     if compacted is not None:
         compacted = tuple(compacted)
@@ -303,6 +311,7 @@ def step_event(
         speculated=speculated,
         **_host_tiers(blocks, kv),
         **_press(compacted, scheduled_requests),
+        expert_load=None if reports is None else reports.get(EXPERT_LOAD),
     )
 
 

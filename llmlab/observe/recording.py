@@ -39,6 +39,7 @@ import numpy as np
 from llmlab.cache.kv_cache_manager import CacheSnapshot
 from llmlab.observe.events import Arrival, EngineSnapshot, StepEvent
 from llmlab.kvpress.schedule import Compaction
+from llmlab.models.expert_load import ExpertLoad
 from llmlab.scheduler.batch import Admission
 
 FORMAT = "llmlab.recording"
@@ -86,6 +87,9 @@ def event_to_json(event: StepEvent) -> dict[str, Any]:
             value = [attrs.asdict(item) for item in value]
         elif name == "kv_compacted":
             value = [_compaction_to_json(c) for c in value]
+        elif name == "expert_load":
+            value = {"layers": list(value.layers), "counts": [list(r) for r in value.counts],
+                     "top_k": value.top_k}
         elif name == "block_tables":
             value = [[rid, list(table)] for rid, table in value]
         elif isinstance(value, tuple):
@@ -138,6 +142,8 @@ def _decode_field(name: str, value: Any) -> Any:
         return tuple(Arrival(**item) for item in _list(value))
     if name == "kv_compacted":
         return tuple(_compaction_from_json(item) for item in _list(value))
+    if name == "expert_load":
+        return _expert_load_from_json(value)
     if name in ("wall_time_s", "model_time_s", "start_time_s", "end_time_s", "kv_usage"):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -172,6 +178,18 @@ def _compaction_from_json(item: Any) -> Compaction:
         kept=tuple(int(v) for v in _list(item["kept"])),
         error=None if error is None else str(error),
     )
+
+
+def _expert_load_from_json(item: Any) -> ExpertLoad:
+    if not isinstance(item, dict):
+        raise TypeError(f"an expert load must be a JSON object, got {type(item).__name__}")
+    if set(item) != {"layers", "counts", "top_k"}:
+        raise ValueError(
+            f"an expert load has the fields ['counts', 'layers', 'top_k'], got {sorted(item)}"
+        )
+    return ExpertLoad(layers=_list(item["layers"]),
+                      counts=[_list(row) for row in _list(item["counts"])],
+                      top_k=item["top_k"])
 
 
 def _list(value: Any) -> list:

@@ -8,7 +8,11 @@ and ``config.json`` carries ``quantization_config`` with ``quant_method:
 "compressed-tensors"``. Read as well: vLLM's own ``quant_method: "fp8"`` (per-tensor scales,
 e.g. Neural Magic's ``*-FP8`` checkpoints) and ``"int8"``. Static activation scales
 (``input_scale``) are dropped: llmlab quantizes activations dynamically (fp8) or not at all
-(int8). Block-wise, grouped, asymmetric and packed (4-bit) formats are refused by name.
+(int8). Block-wise fp8 and grouped or asymmetric 8-bit formats are refused by name.
+
+4-bit checkpoints (``quant_method`` ``"gptq"`` / ``"awq"``, compressed-tensors
+``pack-quantized``) are scheme ``"w4a16"``; their formats are
+:mod:`llmlab.quantization.int4_formats`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from llmlab.models.weights import SCALE_SUFFIX, LazyTensor
+from llmlab.quantization.int4_formats import Int4Format, config_file, int4_format
 
 # Tensors of a quantized checkpoint llmlab does not use: static activation and KV scales.
 IGNORED_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
@@ -31,37 +36,59 @@ _CT_TYPES = {"int": "int8", "float": "fp8"}
 _CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 
 
-def _unsupported(detail: str) -> ValueError:
+def _unsupported(detail: str, path: str = "config.json") -> ValueError:
     return ValueError(
-        f"the checkpoint's quantization_config is not supported: {detail}; llmlab loads "
-        "8-bit weights per channel or per tensor (quant_method 'compressed-tensors' "
-        "int-/float-quantized, 'fp8' or 'int8')"
+        f"{path}: the checkpoint's quantization_config is not supported: {detail}; llmlab "
+        "loads 4-bit weights (quant_method 'gptq', 'awq', or 'compressed-tensors' "
+        "pack-quantized) and 8-bit weights per channel or per tensor (quant_method "
+        "'compressed-tensors' int-/float-quantized, 'fp8' or 'int8')"
     )
 
 
-def checkpoint_scheme(hf_config: Any) -> str | None:
-    """The scheme (``"int8"`` / ``"fp8"``) a checkpoint's ``quantization_config`` says its
-    weights are in; None for a float checkpoint. Raises ``ValueError`` naming what is not
-    supported (``quant_method='awq'``, a block-wise fp8, a 4-bit group, ...)."""
+def _quantization_config(hf_config: Any) -> dict | None:
     config = getattr(hf_config, "quantization_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    return config.to_dict() if hasattr(config, "to_dict") else vars(config)
+
+
+def checkpoint_int4_format(hf_config: Any) -> Int4Format | None:
+    """The 4-bit format a checkpoint's ``quantization_config`` declares (None: not a
+    4-bit checkpoint); raises ``ValueError`` as :func:`checkpoint_scheme` does."""
+    config = _quantization_config(hf_config)
+    return None if config is None else int4_format(config, config_file(hf_config))
+
+
+def checkpoint_scheme(hf_config: Any) -> str | None:
+    """The scheme (``"int8"`` / ``"fp8"`` / ``"w4a16"``) a checkpoint's
+    ``quantization_config`` says its weights are in; None for a float checkpoint. Raises
+    ``ValueError`` naming the config file and what is not supported (an unknown
+    ``quant_method``, a block-wise fp8, bits other than 4 or 8, a 4-bit format other than
+    GPTQ, AWQ GEMM or compressed-tensors pack-quantized, ...)."""
+    config = _quantization_config(hf_config)
     if config is None:
         return None
-    if not isinstance(config, dict):
-        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    path = config_file(hf_config)
+    if int4_format(config, path) is not None:
+        return "w4a16"
     method = config.get("quant_method")
     if method in ("int8", "fp8"):
         block = config.get("weight_block_size")
         if block:
-            raise _unsupported(f"quant_method={method!r} with weight_block_size={block}")
+            raise _unsupported(f"quant_method={method!r} with weight_block_size={block}", path)
         return method
     if method != "compressed-tensors":
-        raise _unsupported(f"quant_method={method!r}")
+        raise _unsupported(
+            f"quant_method={method!r} (allowed: 'gptq', 'awq', 'compressed-tensors', 'fp8', "
+            "'int8')", path,
+        )
     fmt = config.get("format")
     if fmt not in (*_CT_FORMATS, None):
-        raise _unsupported(f"compressed-tensors format={fmt!r}")
+        raise _unsupported(f"compressed-tensors format={fmt!r}", path)
     groups = config.get("config_groups") or {}
     if len(groups) != 1:
-        raise _unsupported(f"{len(groups)} compressed-tensors config_groups (llmlab takes one)")
+        raise _unsupported(
+            f"{len(groups)} compressed-tensors config_groups (llmlab takes one)", path)
     weights = next(iter(groups.values())).get("weights") or {}
     kind = _CT_TYPES.get(weights.get("type"))
     strategy = weights.get("strategy")
@@ -71,7 +98,8 @@ def checkpoint_scheme(hf_config: Any) -> str | None:
     ):
         raise _unsupported(
             f"weights num_bits={weights.get('num_bits')!r} type={weights.get('type')!r} "
-            f"symmetric={weights.get('symmetric')!r} strategy={strategy!r}"
+            f"symmetric={weights.get('symmetric')!r} strategy={strategy!r} (8-bit: "
+            "symmetric int or float per channel or tensor; 4-bit: pack-quantized int)", path,
         )
     return kind
 

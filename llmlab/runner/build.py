@@ -115,9 +115,10 @@ def check_tensor_parallel(plan: BuildPlan) -> None:
 
     cls = get_model_class(getattr(plan.hf_config, "architectures", None))
     with torch.device("meta"):
-        build_model_class(
-            cls, plan.hf_config, TensorParallel(0, plan.config.tensor_parallel_size)
-        )
+        build_model_class(cls, plan.hf_config, TensorParallel(
+            0, plan.config.tensor_parallel_size,
+            expert_parallel=plan.config.enable_expert_parallel,
+        ))
 
 
 def cuda_fused_ops_pass(model: torch.nn.Module, dtype: torch.dtype,
@@ -179,10 +180,14 @@ def build_rank(plan: BuildPlan, tp=None) -> RankParts:
             model.fused_ops = True
         if device.type == "cuda" and cfg.cuda_fused_ops and hasattr(model, "fused_sizes"):
             model.fused_ops = cuda_fused_ops_pass(model, dtype, device)
+        if device.type == "cuda" and hasattr(model, "stack_experts"):
+            model.stack_experts()  # MoE: experts into stacked weights for the fused kernel
         return model
 
     # Quantized linears (each rank its own shard) before prepacking, which packs the rest.
     load = load_model if plan.quantization is None else plan.quantization.load_model
+    if tp is not None and cfg.enable_expert_parallel:
+        tp = attrs.evolve(tp, expert_parallel=True)
     model = for_device(load(model_path, hf_config, dtype, device, tp=tp,
                             load_format=cfg.load_format))
     lora = None

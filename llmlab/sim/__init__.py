@@ -19,7 +19,7 @@ code that runs for real.
 Pieces: :mod:`~llmlab.sim.shape` (what a step costs by), :mod:`~llmlab.sim.cost_model`
 (the contract, checked; replaying a real run; overlapped steps), :mod:`~llmlab.sim.host`
 (the engine's host time, hidden and not by overlap), :mod:`~llmlab.sim.roofline` (hardware
-presets), :mod:`~llmlab.sim.profiled` (fitted), :mod:`~llmlab.sim.executor`,
+presets), :mod:`~llmlab.sim.experts` (how a mixture of experts' tokens spread), :mod:`~llmlab.sim.profiled` (fitted), :mod:`~llmlab.sim.executor`,
 :mod:`~llmlab.sim.engine` (:func:`sim_engine`), :mod:`~llmlab.sim.run`
 (:func:`simulate`), :mod:`~llmlab.sim.traces` (Azure, Mooncake, BurstGPT, recordings),
 :mod:`~llmlab.sim.report` (real vs simulated figures). ``compare(...,
@@ -33,6 +33,7 @@ from llmlab.sim.cost_model import (
     step_time,
 )
 from llmlab.sim.engine import sim_engine
+from llmlab.sim.experts import ExpertRouting
 from llmlab.sim.executor import SimulatedExecutor
 from llmlab.sim.host import HostCost
 from llmlab.sim.profiled import ProfiledCostModel
@@ -51,6 +52,7 @@ __all__ = [
     "FEATURES",
     "BatchShape",
     "CostModel",
+    "ExpertRouting",
     "Hardware",
     "HostCost",
     "ModelShape",

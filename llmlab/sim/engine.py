@@ -201,19 +201,21 @@ def _num_blocks(cfg, shape: ModelShape, max_model_len: int, hw: Hardware | None,
 def _refuse_unmodelled(cfg: EngineConfig) -> None:
     """``ValueError`` naming a setting the simulator would otherwise ignore silently: its
     cost model prices neither adapters nor quantized weights, and its executor moves no KV
-    between tiers (it has no host pools) and scores no tokens for a KV press."""
+    between tiers (it has no host pools), scores no tokens for a KV press and routes no
+    token to an expert (the roofline prices experts from ``ExpertRouting`` instead)."""
     unmodelled = {
         "enable_lora": cfg.enable_lora,
         "quantization": cfg.quantization is not None,
         "preemption_mode": cfg.preemption_mode == "swap",
         "kv_offloading_size": bool(cfg.kv_offloading_size),
         "kv_press": cfg.kv_press is not None,
+        "record_expert_load": cfg.record_expert_load,
     }
     named = [f"{field}={getattr(cfg, field)!r}" for field, on in unmodelled.items() if on]
     if named:
         raise ValueError(
             f"the simulator does not model {', '.join(named)} (no LoRA or quantized-weight "
-            "costs, no host KV pools, no KV press compaction); leave them at their defaults in "
-            "sim_engine"
+            "costs, no host KV pools, no KV press compaction, no routed tokens to count); "
+            "leave them at their defaults in sim_engine"
         )
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from llmlab.sim.experts import ExpertRouting
 from llmlab.sim.host import HostCost, overlapped_time, overlaps
 from llmlab.sim.measure import (
     RateCurve,
@@ -276,6 +277,14 @@ def _as_host_cost(value: Any) -> HostCost:
     return value
 
 
+def _as_expert_routing(value: Any) -> ExpertRouting:
+    if not isinstance(value, ExpertRouting):
+        raise TypeError(
+            f"experts must be an ExpertRouting, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
 def _default_weight_bytes(value: int | None, self: RooflineCostModel) -> int:
     if value is None:
         return self.model.num_parameters_read() * self.dtype_bytes
@@ -293,6 +302,14 @@ class RooflineCostModel:
     An ideal kernel's floor, so the efficiencies (the fraction of peak a real run reaches,
     from a measurement) scale the rates down. A step with no requests costs host time only.
 
+    A mixture of experts (``model.num_experts``) is priced by its active parameters: each
+    token runs the router and ``top_k`` experts of every sparse layer (the FLOPs of a dense
+    model of as many parameters), stretched by ``experts.imbalance`` (the step waits for the
+    most loaded expert); and a step reads only the experts some token picked: ``top_k`` a
+    layer for one token, all of them for a long prefill, the expected number in between
+    (:meth:`~llmlab.sim.model_shape.ModelShape.expected_experts_read`, under uniform
+    routing or ``experts.shares``).
+
     Attributes:
         model: the model's shape.
         hardware: a :class:`Hardware` or a registered name (:func:`hardware`).
@@ -302,6 +319,11 @@ class RooflineCostModel:
         compute_efficiency, memory_efficiency: fractions of the peak rates reached, in (0, 1].
         host: the engine's host time per step, split into what overlap hides and what it
             does not.
+        experts: how tokens spread over a mixture of experts' experts
+            (:class:`~llmlab.sim.experts.ExpertRouting`: uniform and balanced by default;
+            ``ExpertRouting.from_loads(events)`` reads a recorded run's); unused for a dense
+            model. ``weight_bytes`` counts every expert; a step reads the share of it its
+            experts make.
         overlap: whether the engine modelled overlaps its steps (``async_scheduling``).
             None: as the simulated engine's ``async_scheduling`` resolves
             (:func:`~llmlab.sim.cost_model.with_overlap`: on for a GPU preset unless it is
@@ -325,6 +347,11 @@ class RooflineCostModel:
     overlap: bool | None = attrs.field(
         default=None, converter=functools.partial(as_bool, "overlap", allow_none=True)
     )
+    experts: ExpertRouting = attrs.field(factory=ExpertRouting, converter=_as_expert_routing)
+
+    def __attrs_post_init__(self) -> None:
+        if self.model.is_moe and self.experts.shares is not None:
+            self.model.expected_experts_read(1, self.experts.shares)  # refuses a wrong shape
 
     @classmethod
     def for_model(
@@ -348,17 +375,31 @@ class RooflineCostModel:
         device = Hardware.measure(dtype) if on_this_machine else _lookup_hardware(hardware)
         return cls(model=model, hardware=device, dtype_bytes=dtype_bytes(dtype), **kwargs)
 
-    def flops(self, shape: BatchShape) -> int:
+    def flops(self, shape: BatchShape) -> float:
         m = self.model
+        per_token = m.linear_flops_per_token()
+        if m.is_moe and self.experts.imbalance != 1.0:
+            # The experts' share runs at the busiest expert's pace.
+            per_token += (self.experts.imbalance - 1.0) * m.expert_flops_per_token()
         return (
-            shape.num_tokens * m.linear_flops_per_token()
+            shape.num_tokens * per_token
             + shape.num_sampled * m.lm_head_flops_per_token()
             + shape.attention_positions * m.attention_flops_per_position()
         )
 
-    def bytes(self, shape: BatchShape) -> int:
+    def weights_read_bytes(self, shape: BatchShape) -> float:
+        """The weights a step reads: ``weight_bytes``, less the experts no token picked (a
+        mixture of experts; :meth:`ModelShape.parameters_read`)."""
+        m = self.model
+        if not m.is_moe:
+            return self.weight_bytes
+        read = m.parameters_read(shape.num_tokens, self.experts.shares)
+        return self.weight_bytes * read / m.num_parameters_read()
+
+    def bytes(self, shape: BatchShape) -> float:
         kv_tokens = shape.context_tokens + shape.num_tokens  # read the context, write the new
-        return self.weight_bytes + kv_tokens * self.model.kv_bytes_per_token(self.dtype_bytes)
+        return (self.weights_read_bytes(shape)
+                + kv_tokens * self.model.kv_bytes_per_token(self.dtype_bytes))
 
     def compute_time(self, shape: BatchShape) -> float:
         rate = self.hardware.matmul_rate(shape.num_tokens) * self.compute_efficiency

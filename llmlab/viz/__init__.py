@@ -21,6 +21,7 @@ models they draw, usable without any widget.
 from llmlab.observe.recording import Recorder, Recording, load
 from llmlab.viz.state import Frame, KVCacheState, MetricSeries, SchedulerSeries
 from llmlab.viz.views import (
+    ExpertLoadView,
     KVCacheView,
     MetricsPanel,
     PolicyComparison,
@@ -29,6 +30,7 @@ from llmlab.viz.views import (
 )
 
 __all__ = [
+    "ExpertLoadView",
     "Frame",
     "KVCacheState",
     "KVCacheView",

@@ -92,6 +92,40 @@ SCRIPT = textwrap.dedent(
                "HALF_BLOCK": "constexpr"}
         compile_for_target(FUSED["rotary"], sig, dict(HALF_BLOCK=64))
         done.append(("rotary", dt))
+    from llmlab.kernels.triton_moe import KERNELS as MOE
+    for dt in ("bf16", "fp16", "fp32"):
+        for block_m in (16, 64):  # decode-sized and prefill-sized blocks of sorted pairs
+            tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64,
+                         DOT_F32=dt == "fp32")
+            sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "h_ptr": "*" + dt,
+                   "pair_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+                   "num_pairs": "i32", "hidden": "i32", "inner": "i32", "stride_x": "i32",
+                   "stride_we": "i32", "stride_wn": "i32", "stride_h": "i32"}
+            sig.update({k: "constexpr" for k in ("TOP_K", *tiles)})
+            compile_for_target(MOE["moe_gate_up"], sig, dict(TOP_K=2, **tiles))
+            done.append(("moe_gate_up", dt, block_m))
+            sig = {"h_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt,
+                   "pair_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+                   # Routing weights: float32 (Mixtral's) or the model dtype (the others').
+                   "route_w_ptr": "*fp32" if block_m == 64 else "*" + dt,
+                   "num_pairs": "i32", "hidden": "i32",
+                   "inner": "i32", "stride_h": "i32", "stride_we": "i32",
+                   "stride_wn": "i32", "stride_out": "i32"}
+            sig.update({k: "constexpr" for k in tiles})
+            compile_for_target(MOE["moe_down"], sig, tiles)
+            done.append(("moe_down", dt, block_m))
+    from llmlab.kernels.triton_int4 import KERNELS as INT4
+    for dt in ("bf16", "fp16", "fp32"):
+        # Decode (split-K: float32 partial sums) and prefill tiles of the W4A16 GEMM.
+        for out, bm, bn, bk in (("fp32", 16, 64, 64), (dt, 128, 128, 32)):
+            sig = {"x_ptr": "*" + dt, "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
+                   "y_ptr": "*" + out, "M": "i32", "N": "i32", "K": "i32",
+                   "stride_xm": "i32", "stride_ym": "i32", "stride_ys": "i32",
+                   "group_size": "i32", "k_per_split": "i32"}
+            const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dt == "fp32")
+            sig.update({k: "constexpr" for k in const})
+            compile_for_target(INT4["w4a16"], sig, const)
+            done.append(("w4a16", dt, bm))
     print(json.dumps(done))
     """
 )
@@ -107,5 +141,6 @@ def test_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     assert {c[0] for c in compiled} == {"write_kv", "paged_attention", "reduce_splits",
-                                        "add_rms_norm", "silu_and_mul", "rotary"}
-    assert len(compiled) == 3 * (1 + 5 + 2) + 3 * (2 + 1 + 1)
+                                        "add_rms_norm", "silu_and_mul", "rotary",
+                                        "moe_gate_up", "moe_down", "w4a16"}
+    assert len(compiled) == 3 * (1 + 5 + 2) + 3 * (2 + 1 + 1) + 3 * 2 * 2 + 3 * 2

@@ -5,6 +5,8 @@ that really spreads tokens, the layers a config keeps dense, refused configs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,14 +72,54 @@ def test_qwen3_moe_keeps_the_dense_mlp_where_the_config_says(tmp_path):
     assert model.moe.sparse_layers == (False, True, False, True)
 
 
-def test_a_config_picking_more_experts_than_it_has_is_refused(tmp_path):
-    path = build_tiny_model(tmp_path / "m", "MixtralForCausalLM")
-    import json
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Reading any checkpoint tensor fails the test: refusals must come before it."""
+    from llmlab.models import loader
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(loader, "iterate_weights", refuse)
+
+
+def test_a_config_picking_more_experts_than_it_has_is_refused(tmp_path, no_weight_reads):
+    path = build_tiny_model(tmp_path / "m", "MixtralForCausalLM")
     config = json.loads((path / "config.json").read_text())
     config["num_experts_per_tok"] = 9
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 .* \(4\)"):
+    with pytest.raises(ValueError, match=r"config\.json: num_experts_per_tok=9 .* \(4\)"):
+        LLM(str(path), dtype="float32")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_missing_an_expert_is_refused_before_reading(
+    tmp_path, no_weight_reads, sharded
+):
+    """One expert's down projection gone (from a single file, or from a sharded
+    checkpoint's index): refused naming the file and the missing tensors' module."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_model(tmp_path / "m", "MixtralForCausalLM")
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"]
+    if sharded:  # two shards and an index
+        file.unlink()
+        names = sorted(tensors)
+        weight_map = {}
+        for shard, part in enumerate((names[::2], names[1::2])):
+            shard_name = f"model-0000{shard + 1}-of-00002.safetensors"
+            save_file({n: tensors[n] for n in part}, path / shard_name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, shard_name))
+        index = path / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        where = "model.safetensors.index.json"
+    else:
+        save_file(tensors, file, metadata={"format": "pt"})
+        where = "model.safetensors"
+    with pytest.raises(ValueError, match=rf"{where}: .*layers\.1\.block_sparse_moe\.experts\.2"
+                       r"\.w2; its config\.json declares 4 experts"):
         LLM(str(path), dtype="float32")
 
 

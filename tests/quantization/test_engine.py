@@ -96,8 +96,9 @@ def test_fp8_on_cpu_is_refused_before_any_weight_loads(tiny_llama, monkeypatch):
     _refuse_weight_reads(monkeypatch)
     with pytest.raises(ValueError, match=r"quantization='fp8' is not supported on device 'cpu'"):
         LLM(tiny_llama, quantization="fp8", device="cpu")
-    with pytest.raises(ValueError, match="quantization must be one of 'int8', 'fp8'.*'awq'"):
-        LLM(tiny_llama, quantization="awq", device="cpu")
+    with pytest.raises(ValueError, match="quantization must be one of 'int8', 'fp8'.*"
+                       "'bitsandbytes'"):
+        LLM(tiny_llama, quantization="bitsandbytes", device="cpu")
 
 
 def _with_quantization_config(source: str, out: pathlib.Path, config: dict) -> str:

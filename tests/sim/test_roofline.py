@@ -114,8 +114,8 @@ def test_plain_dicts_attribute_objects_and_model_dirs_give_the_same_shape(tmp_pa
 
 
 def test_unknown_model_types_and_missing_keys_are_refused():
-    with pytest.raises(ValueError, match="model_type 'mixtral'.*known: gpt2, llama"):
-        ModelShape.from_hf_config({**LLAMA_LIKE, "model_type": "mixtral"})
+    with pytest.raises(ValueError, match="model_type 'mamba'.*known: gpt2, llama"):
+        ModelShape.from_hf_config({**LLAMA_LIKE, "model_type": "mamba"})
     with pytest.raises(ValueError, match="no 'intermediate_size'"):
         ModelShape.from_hf_config({**TINY, "hidden_size": 32})
 

@@ -13,7 +13,8 @@ ipywidgets is imported only when a widget is shown; ``figure``/``to_png`` need o
 matplotlib, so views work in scripts and tests too.
 
 One view per module: ``base`` (the shared plumbing, colors), ``kv_cache``, ``timeline``,
-``metrics``, ``comparison`` and ``speculation``; every name is importable from here as before.
+``metrics``, ``comparison``, ``speculation`` and ``experts``; every name is importable from
+here as before.
 """
 
 from llmlab.viz.views.base import CACHED_COLOR as CACHED_COLOR
@@ -24,12 +25,14 @@ from llmlab.viz.views.base import PARTIAL_WASH as PARTIAL_WASH
 from llmlab.viz.views.base import SHARED_MARK as SHARED_MARK
 from llmlab.viz.views.base import request_color as request_color
 from llmlab.viz.views.comparison import PolicyComparison
+from llmlab.viz.views.experts import ExpertLoadView
 from llmlab.viz.views.kv_cache import KVCacheView
 from llmlab.viz.views.metrics import MetricsPanel
 from llmlab.viz.views.speculation import SpeculationView
 from llmlab.viz.views.timeline import SchedulerTimeline
 
 __all__ = [
+    "ExpertLoadView",
     "KVCacheView",
     "MetricsPanel",
     "PolicyComparison",
