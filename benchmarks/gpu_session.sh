@@ -10,7 +10,8 @@
 # throughput), distributed (benchmarks.gpu_distributed: data-parallel replicas sharing the
 # GPU), ab (llmlab alone, the engine's defaults against each switch turned off:
 # --no-cuda-fused-ops, --async-scheduling off; then one sequence's decode split; about 4
-# minutes), or all (the default: tests, then benchmarks.attention; about 10 minutes, one
+# minutes), moe (issue 43: the fused MoE / W4A16 / MoE engine tests on the card, then
+# benchmarks.moe --device cuda; about 4 minutes), or all (the default: tests, then benchmarks.attention; about 10 minutes, one
 # call's limit). TPUT_ARGS and ATTN_ARGS add arguments to those two benchmarks (e.g.
 # TPUT_ARGS="--only llmlab", ATTN_ARGS=--quick) so several stages fit one call.
 #
@@ -59,6 +60,21 @@ if [ "$stage" = distributed ]; then
         > "$OUT/distributed.log" 2>&1
     echo "distributed exit $?"
     tail -20 "$OUT/distributed.log"
+fi
+
+if [ "$stage" = moe ]; then
+    # Issue 43's GPU checks: the fused MoE kernel, W4A16 GEMM and MoE engine tests compiled
+    # on the card (they ran only in Triton's interpreter before), then their speed.
+    timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q --tb=short -p no:cacheprovider \
+        -n "${TEST_WORKERS:-4}" --timeout 120 -rfE tests/models/test_fused_moe.py \
+        tests/quantization/test_int4_kernels.py tests/quantization/test_w4a16.py \
+        tests/quantization/test_int4.py tests/engine/test_moe.py tests/engine/test_expert_load.py \
+        > "$OUT/moe_tests.log" 2>&1
+    echo "moe tests exit $?"; grep -E "(FAILED|ERROR) tests/" "$OUT/moe_tests.log" | head -20
+    tail -2 "$OUT/moe_tests.log"
+    timeout -k 10 "${BENCH_TIMEOUT:-150}" python3 -m benchmarks.moe --device cuda \
+        > "$OUT/moe_bench.log" 2>&1
+    echo "benchmarks.moe exit $?"; tail -25 "$OUT/moe_bench.log"
 fi
 
 if [ "$stage" = ab ]; then
