@@ -15,11 +15,14 @@ group size ``g`` (dividing ``in``; ``g == in`` is per channel):
 :class:`Int4Weight`; :func:`linear` runs it. Kernels (``Int4Weight.kernel``):
 
 * ``"int4pack_mm"`` (CPU, bfloat16, ``out % 16 == 0``, a group size that 32, 64, 128 or 256
-  divides): ATen's int4 CPU matmul (``_weight_int4pack_mm_for_cpu``, tinygemm's layout) for
-  calls of at most :data:`INT4PACK_MAX_ROWS` rows, where it reads a quarter of the bytes of a
-  bfloat16 matmul; above that, ``"dequant_matmul"`` below (the ATen kernel dequantizes the
-  weight again for every 4 rows: measured slower than dequantize-then-matmul from 32 to 64
-  rows on). The handle holds both layouts: at group 128, 55% of bfloat16's bytes.
+  divides): ATen's int4 CPU matmul (``_weight_int4pack_mm_for_cpu``, tinygemm's layout),
+  which reads a quarter of the bytes of a bfloat16 matmul: the handle holds that layout
+  alone, 4.25 bits per weight at group 128 (what a 4-bit checkpoint is chosen for). Its
+  time grows with the rows (it dequantizes the weight again for every 4: 2.2x
+  dequantize-then-matmul's at 2,048 rows), so ``prepare(..., int4pack_max_rows=N)`` trades
+  memory for prefill speed: the handle also keeps ``"dequant_matmul"``'s layout and calls of
+  more than ``N`` rows run it (:data:`INT4PACK_MAX_ROWS` = 32 measured best; 8.75 bits per
+  weight then).
 * ``"dequant_matmul"`` (CPU otherwise): the weight dequantized on the fly into a reused
   scratch buffer, at most :data:`SCRATCH_BYTES` of output rows at a time (the full float
   weight is never held), each chunk multiplied by ``F.linear``. Dequantized in float32 (one
@@ -50,9 +53,10 @@ from llmlab.validation import as_int
 # ATen's int4 CPU kernel takes these group sizes; a larger group is run as several of them
 # (the scale repeated), an exact rewrite.
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
-# Most rows a call may have for the ATen int4 kernel. Its time grows with the rows (it
-# dequantizes the weight again for every 4): on par with dequantize-then-matmul at 64 rows,
-# 2.2x slower at 2048 (benchmarks/quantization.py --only kernels, AVX-512, one thread).
+# The split to pass as ``prepare(int4pack_max_rows=...)`` when prefill speed matters more than
+# memory: ATen's int4 kernel's time grows with the rows (it dequantizes the weight again for
+# every 4): on par with dequantize-then-matmul at 64 rows, 2.2x slower at 2048
+# (benchmarks/quantization.py --only kernels, AVX-512, one thread).
 INT4PACK_MAX_ROWS = 32
 # Largest float chunk of a weight the CPU fallback dequantizes at once (per thread).
 SCRATCH_BYTES = 4 << 20
@@ -162,8 +166,9 @@ class Int4Weight:
     tensors: dict[str, torch.Tensor]
     # The group size the kernel runs at: ``group_size`` or, for ``int4pack_mm``, a divisor.
     kernel_group_size: int
-    # ``int4pack_mm``: calls with more rows run ``dequant_matmul`` (attrs.evolve to study it).
-    int4pack_max_rows: int = INT4PACK_MAX_ROWS
+    # ``int4pack_mm`` with the dequantize layout kept too: calls with more rows run
+    # ``dequant_matmul``. None: ATen's kernel at every row count (its layout alone).
+    int4pack_max_rows: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +176,8 @@ class Int4Weight:
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a call of ``rows`` rows runs."""
-        if self.kernel == KERNEL_INT4PACK and rows > self.int4pack_max_rows:
+        if (self.kernel == KERNEL_INT4PACK and self.int4pack_max_rows is not None
+                and rows > self.int4pack_max_rows and "halves" in self.tensors):
             return KERNEL_DEQUANT
         return self.kernel
 
@@ -208,10 +214,13 @@ def prepare(
     dtype: torch.dtype,
     device: torch.device | str | None = None,
     kernel: str | None = None,
+    int4pack_max_rows: int | None = None,
 ) -> Int4Weight:
     """Repack a canonical 4-bit weight once for activations of ``dtype`` on ``device``
     (default: ``qweight``'s). ``kernel`` forces a choice (tests, benchmarks); by default
-    the fastest one that takes the weight on that device (see the module docstring)."""
+    the fastest one that takes the weight on that device (see the module docstring).
+    ``int4pack_max_rows``: with ATen's int4 kernel, keep the dequantize layout too and run
+    calls of more rows through it (faster prefill, about twice the bytes)."""
     out_features, in_features = check_layout(qweight, scales, zeros, group_size)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
@@ -225,7 +234,8 @@ def prepare(
         if reason is not None or device.type != "cpu":
             raise ValueError(f"kernel {kernel!r} cannot run this weight: {reason or device}")
         tensors = _prepare_int4pack(qweight, scales, zeros, group_size, dtype)
-        tensors.update(_prepare_dequant(qweight, scales, zeros, dtype))
+        if int4pack_max_rows is not None:
+            tensors.update(_prepare_dequant(qweight, scales, zeros, dtype))
     elif kernel == KERNEL_DEQUANT:
         tensors = _prepare_dequant(qweight, scales, zeros, dtype)
     elif kernel == KERNEL_TRITON:
@@ -240,7 +250,8 @@ def prepare(
     tensors = {name: t.to(device) for name, t in tensors.items()}
     kernel_group = _int4pack_group(group_size) if kernel == KERNEL_INT4PACK else group_size
     return Int4Weight(out_features, in_features, group_size, dtype, device, kernel, tensors,
-                      kernel_group)
+                      kernel_group,
+                      int4pack_max_rows if kernel == KERNEL_INT4PACK else None)
 
 
 def _default_kernel(

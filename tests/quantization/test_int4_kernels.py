@@ -15,7 +15,6 @@ wrong nibble, group or zero point convention is off by O(1).
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 
@@ -90,7 +89,7 @@ def test_cpu_linear_matches_the_float64_reference(shape, symmetric, dtype):
                      and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
     assert handle.kernel == (int4.KERNEL_INT4PACK if aten_takes_it else int4.KERNEL_DEQUANT)
     gen = torch.Generator().manual_seed(1)
-    # 1 and 7 rows: ATen's kernel where it runs; 40 (> INT4PACK_MAX_ROWS): dequantize.
+    # ATen's kernel where it runs at every row count (40: past the opt-in split too).
     for rows in (1, 7, int4.INT4PACK_MAX_ROWS + 8):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         y = int4.linear(x, handle)
@@ -111,12 +110,21 @@ def test_every_kernel_that_runs_on_cpu_agrees(dtype):
         handle = int4.prepare(packed, scales, zeros, 64, dtype=dtype, kernel=kernel)
         assert handle.kernel_for(5) == kernel
         assert _rel_err(int4.linear(x, handle), ref) < TOL[dtype], kernel
-    if int4.KERNEL_INT4PACK in kernels:  # ATen's kernel past INT4PACK_MAX_ROWS, as asked
+    if int4.KERNEL_INT4PACK in kernels:
+        # By default ATen's kernel runs every row count, on its layout alone; with
+        # int4pack_max_rows the handle keeps the dequantize layout too and switches past it.
         x = torch.randn(int4.INT4PACK_MAX_ROWS + 8, 256).to(dtype)
-        handle = attrs.evolve(handle, int4pack_max_rows=2**31)
-        assert handle.kernel_for(x.shape[0]) == int4.KERNEL_INT4PACK
-        assert _rel_err(int4.linear(x, handle), _reference(x, packed, scales, zeros, 64)) < (
-            TOL[dtype])
+        ref = _reference(x, packed, scales, zeros, 64)
+        alone = int4.prepare(packed, scales, zeros, 64, dtype=dtype)
+        split = int4.prepare(packed, scales, zeros, 64, dtype=dtype,
+                             int4pack_max_rows=int4.INT4PACK_MAX_ROWS)
+        assert alone.kernel_for(x.shape[0]) == int4.KERNEL_INT4PACK
+        assert split.kernel_for(x.shape[0]) == int4.KERNEL_DEQUANT
+        assert split.kernel_for(int4.INT4PACK_MAX_ROWS) == int4.KERNEL_INT4PACK
+        for handle in (alone, split):
+            assert _rel_err(int4.linear(x, handle), ref) < TOL[dtype]
+        assert set(alone.tensors) == {"int4pack", "scale_and_zeros"}
+        assert alone.nbytes < split.nbytes
 
 
 def test_dequantize_fallback_in_several_chunks(monkeypatch):
@@ -147,9 +155,13 @@ def test_handles_count_their_bytes():
     plain = int4.prepare(packed, scales, zeros, 32, dtype=torch.float32)
     assert plain.nbytes == 64 * 128 + groups_bytes
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        both = int4.prepare(packed, scales, zeros, 32, dtype=torch.bfloat16)
-        # ATen's packed copy and bfloat16 (scale, zero) pairs besides the fallback's layout.
-        assert both.nbytes == 2 * 64 * 128 + groups_bytes + 64 * (256 // 32) * 2 * 2
+        pairs_bytes = 64 * (256 // 32) * 2 * 2  # bfloat16 (scale, zero) pairs
+        alone = int4.prepare(packed, scales, zeros, 32, dtype=torch.bfloat16)
+        assert alone.nbytes == 64 * 128 + pairs_bytes  # ATen's packed copy only
+        both = int4.prepare(packed, scales, zeros, 32, dtype=torch.bfloat16,
+                            int4pack_max_rows=int4.INT4PACK_MAX_ROWS)
+        # ... and, opted in, the fallback's layout besides.
+        assert both.nbytes == 2 * 64 * 128 + groups_bytes + pairs_bytes
 
 
 def test_bad_layouts_are_refused_with_the_sizes():
@@ -238,3 +250,14 @@ def test_the_scratch_buffer_serves_calls_in_and_out_of_inference_mode():
     outside = int4.linear(x, handle)
     assert torch.equal(inside, outside)
     assert _rel_err(outside, _reference(x, qweight, scales, zeros, 64)) < 2e-6
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                    reason="this torch has no int4 CPU matmul")
+def test_a_bfloat16_cpu_weight_holds_about_four_and_a_quarter_bits():
+    """The 4-bit checkpoint's point: at group 128 the default bfloat16 handle holds 4 bits
+    a weight plus a bfloat16 scale and zero a group (4.25), not a second layout."""
+    _, packed, scales, zeros = _weight(256, 1024, 128, symmetric=False)
+    handle = int4.prepare(packed, scales, zeros, 128, dtype=torch.bfloat16)
+    assert handle.kernel == int4.KERNEL_INT4PACK
+    assert 8 * handle.nbytes / (256 * 1024) == pytest.approx(4.25, abs=0.02)

@@ -35,3 +35,26 @@ def test_two_ranks_decode_a_4_bit_checkpoint_as_one_does(tiny_llama, tmp_path, c
         assert greedy_continuations(llm) == expected
     finally:
         llm.llm_engine.executor.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_4_bit_moe_on_two_ranks_decodes_as_one_does(tiny_model_factory, tmp_path,
+                                                      expert_parallel):
+    """A GPTQ act-order Qwen3-MoE (experts 48 wide: group 16), experts split within the
+    ranks or placed whole (expert parallelism: each rank reads only its experts)."""
+    from llmlab.models.moe import SparseMoeBlock
+
+    path = str(write_checkpoint(tiny_model_factory("Qwen3MoeForCausalLM"), tmp_path / "ckpt",
+                                Case("gptq", 16, act_order=True)))
+    expected = greedy_continuations(LLM(path, **SETTINGS))
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              **SETTINGS)
+    try:
+        model = llm.llm_engine.executor.runner.model
+        block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+        assert isinstance(block.experts[0].down_proj, W4A16Linear)
+        assert len(block.experts) == (2 if expert_parallel else 4)
+        assert greedy_continuations(llm) == expected
+    finally:
+        llm.llm_engine.executor.shutdown()
