@@ -275,7 +275,17 @@ class LlamaForCausalLM(PagedCausalLMBase):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        hidden = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
+        return self.forward_embeds(self.embed(input_ids), positions, attn)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings ``[T, hidden]`` of ``input_ids`` (a multimodal model writes
+        its image rows into them before :meth:`forward_embeds`)."""
+        return vocab_parallel_embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
+
+    def forward_embeds(
+        self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """:meth:`forward` from input embeddings: the decoder blocks and the final norm."""
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.fused_ops:
             residual = None
