@@ -30,7 +30,7 @@ is llmlab's own.
 
 Kernels are plain functions wrapped by ``triton.jit`` on first use, so they also run in
 Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, how the tests check them
-against :func:`fused_moe_reference`) and compile ahead of time for sm_90
+against the torch reference in ``tests/models/test_fused_moe.py``) and compile ahead of time for sm_90
 (:func:`llmlab.kernels.triton_kernels.compile_for_target`). The tile sizes
 (:func:`block_sizes`) are reasoned, not tuned on a GPU.
 """
@@ -38,7 +38,6 @@ against :func:`fused_moe_reference`) and compile ahead of time for sm_90
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -267,31 +266,6 @@ def fused_moe(
         return per_pair
     # Summed in float32 (torch's reduction accumulates 16-bit inputs in float32), rounded once.
     return per_pair.view(tokens, top_k, hidden).sum(dim=1)
-
-
-def fused_moe_reference(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    chosen: torch.Tensor,
-    first_expert: int = 0,
-) -> torch.Tensor:
-    """:func:`fused_moe` from its definition, in float32 on the same values, pair by pair
-    with no grouping (the tests' reference; slow)."""
-    num_experts, two_inner, _ = w13.shape
-    inner = two_inner // 2
-    xf, w13f, w2f = x.float(), w13.float(), w2.float()
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for slot in range(chosen.shape[1]):
-        experts = chosen[:, slot] - first_expert
-        held = (experts >= 0) & (experts < num_experts)
-        experts = experts.clamp(0, num_experts - 1)
-        gate_up = torch.einsum("th,tnh->tn", xf, w13f[experts])
-        hidden = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        down = torch.einsum("ti,thi->th", hidden, w2f[experts])
-        out += torch.where(held[:, None], weights[:, slot, None].float() * down, 0.0)
-    return out
 
 
 def supports(x: torch.Tensor) -> bool:
